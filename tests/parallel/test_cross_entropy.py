@@ -1,0 +1,61 @@
+"""Vocab-parallel cross entropy against F.cross_entropy on the full logits, forward and backward."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.parallel.helpers import assert_close, chunk, gen, grid_for
+from zoo.parallel.cross_entropy import vocab_parallel_cross_entropy
+
+B, S, V = 3, 5, 24
+
+
+def ce_case(tp, label_smoothing, ignore_index, vocab_size, scale):
+    grid = grid_for(tp)
+    rank = 0 if grid is None else grid.tp_rank
+    real_v = V if vocab_size is None else vocab_size
+    logits = torch.randn(B, S, V, generator=gen(11), dtype=torch.float64).float() * scale
+    target = torch.randint(0, real_v, (B, S), generator=gen(12))
+    per = V // 4
+    target[0, :4] = torch.tensor([per - 1, per, 2 * per - 1, 2 * per])  # ids at shard boundaries
+    target[1, 1] = ignore_index
+    target[2, 3] = ignore_index
+    dloss = torch.rand(B, S, generator=gen(13))
+
+    full = logits.clone().requires_grad_()
+    ref = F.cross_entropy(full[..., :real_v].transpose(1, 2), target, reduction="none",
+                          label_smoothing=label_smoothing, ignore_index=ignore_index)
+    ref.backward(dloss)
+
+    shard = chunk(logits, -1, rank, tp).clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(shard, target, label_smoothing=label_smoothing, ignore_index=ignore_index,
+                                        vocab_size=vocab_size)
+    loss.backward(dloss)
+    assert torch.isfinite(loss).all()
+    assert_close(loss, ref, "loss")
+    assert_close(shard.grad, chunk(full.grad, -1, rank, tp), "logit grad")
+    assert (loss[target == ignore_index] == 0).all()
+    return True
+
+
+CASES = [
+    (0.0, -100, None, 1.0),
+    (0.1, -100, None, 1.0),
+    (0.0, 5, None, 1.0),       # an ignore_index that is a real token id
+    (0.1, -100, 21, 1.0),      # padded vocabulary: the last 3 columns are never predicted
+    (0.0, -100, None, 1e4),    # huge logits: stability needs the max subtracted
+]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("label_smoothing,ignore_index,vocab_size,scale", CASES)
+def test_matches_full_cross_entropy(dist_run, tp, label_smoothing, ignore_index, vocab_size, scale):
+    args = (tp, label_smoothing, ignore_index, vocab_size, scale)
+    assert ce_case(*args) if tp == 1 else all(dist_run(tp, ce_case, *args))
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="label_smoothing must be in"):
+        vocab_parallel_cross_entropy(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), label_smoothing=1.5)
+    with pytest.raises(ValueError, match="disagree"):
+        vocab_parallel_cross_entropy(torch.zeros(2, 4), torch.zeros(3, dtype=torch.long))

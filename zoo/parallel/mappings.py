@@ -1,0 +1,206 @@
+"""Communication primitives of tensor and sequence parallelism, each paired with its gradient.
+
+Megatron-LM (arXiv 1909.08053, Sec. 3) names two conjugate operators around every parallel block: ``f`` is the
+identity forward and an all-reduce backward, ``g`` the reverse. Sequence parallelism (arXiv 2205.05198, Sec. 4.2)
+replaces ``g`` by a reduce-scatter along the sequence and ``f`` by an all-gather (``g-bar`` and ``f-bar``).
+
+Every primitive is a private ``autograd.Function`` and a public wrapper whose docstring gives both directions.
+A group of size one (or ``None`` outside torch.distributed) returns the input untouched, so a model runs
+unchanged in one process. ``group=None`` means the TP group of the current grid.
+
+Notation: activations are batch-first ``[b, s, h]``; tensor parallelism splits the last dimension, sequence
+parallelism splits ``s`` (dimension 1).
+"""
+
+import torch
+import torch.distributed as dist
+
+from zoo.parallel.topology import get_tensor_model_parallel_group, group_rank_and_size
+
+SEQUENCE_DIM = 1
+
+
+def _resolve(group):
+    return get_tensor_model_parallel_group() if group is None else group
+
+
+def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    rank, world = group_rank_and_size(group)
+    if world == 1:
+        return x
+    if x.shape[dim] % world:
+        raise ValueError(f"cannot split dimension {dim} of size {x.shape[dim]} into {world} equal tensor-parallel parts")
+    return x.chunk(world, dim=dim)[rank].contiguous()
+
+
+def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    _, world = group_rank_and_size(group)
+    if world == 1:
+        return x
+    x0 = x.movedim(dim, 0).contiguous()  # gather along dim 0: [world * n, ...]
+    out = torch.empty((world * x0.shape[0], *x0.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x0, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    _, world = group_rank_and_size(group)
+    if world == 1:
+        return x
+    if x.shape[dim] % world:
+        raise ValueError(f"cannot reduce-scatter dimension {dim} of size {x.shape[dim]} over {world} ranks")
+    x0 = x.movedim(dim, 0).contiguous()
+    out = torch.empty((x0.shape[0] // world, *x0.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, x0, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    _, world = group_rank_and_size(group)
+    if world == 1:
+        return x
+    # Work on a copy: autograd may hand the same gradient tensor to several inputs.
+    out = x.clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+class _CopyToModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, -1, ctx.group), None
+
+
+class _GatherFromModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, -1, ctx.group), None
+
+
+class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, SEQUENCE_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, SEQUENCE_DIM, ctx.group), None
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, tensor_parallel_output_grad):
+        ctx.group = group
+        ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
+        return _all_gather(x, SEQUENCE_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.tensor_parallel_output_grad:
+            # The consumer was a TP region: each rank holds a partial gradient of the full sequence.
+            return _reduce_scatter(grad, SEQUENCE_DIM, ctx.group), None, None
+        return _split(grad, SEQUENCE_DIM, ctx.group), None, None
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, SEQUENCE_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, SEQUENCE_DIM, ctx.group), None
+
+
+def copy_to_tensor_model_parallel_region(x, group=None):
+    """Megatron's ``f``. Forward: identity. Backward: all-reduce (sum) the gradient over the TP group."""
+    group = _resolve(group)
+    if group_rank_and_size(group)[1] == 1:
+        return x
+    return _CopyToModelParallelRegion.apply(x, group)
+
+
+def reduce_from_tensor_model_parallel_region(x, group=None):
+    """Megatron's ``g``. Forward: all-reduce (sum) over the TP group. Backward: identity."""
+    group = _resolve(group)
+    if group_rank_and_size(group)[1] == 1:
+        return x
+    return _ReduceFromModelParallelRegion.apply(x, group)
+
+
+def scatter_to_tensor_model_parallel_region(x, group=None):
+    """Forward: keep this rank's chunk of the last dimension. Backward: all-gather along the last dimension."""
+    group = _resolve(group)
+    if group_rank_and_size(group)[1] == 1:
+        return x
+    return _ScatterToModelParallelRegion.apply(x, group)
+
+
+def gather_from_tensor_model_parallel_region(x, group=None):
+    """Forward: all-gather along the last dimension. Backward: keep this rank's chunk of the gradient."""
+    group = _resolve(group)
+    if group_rank_and_size(group)[1] == 1:
+        return x
+    return _GatherFromModelParallelRegion.apply(x, group)
+
+
+def scatter_to_sequence_parallel_region(x, group=None):
+    """Forward: keep this rank's chunk of the sequence (dim 1). Backward: all-gather along the sequence."""
+    group = _resolve(group)
+    if group_rank_and_size(group)[1] == 1:
+        return x
+    return _ScatterToSequenceParallelRegion.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x, group=None, tensor_parallel_output_grad=True):
+    """Megatron-SP's ``f-bar``. Forward: all-gather along the sequence (dim 1).
+
+    Backward: reduce-scatter along the sequence when the consumer is a TP region (each rank then holds a
+    partial gradient), or keep this rank's chunk when the consumer was replicated
+    (``tensor_parallel_output_grad=False``).
+    """
+    group = _resolve(group)
+    if group_rank_and_size(group)[1] == 1:
+        return x
+    return _GatherFromSequenceParallelRegion.apply(x, group, tensor_parallel_output_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(x, group=None):
+    """Megatron-SP's ``g-bar``. Forward: reduce-scatter (sum) along the sequence (dim 1). Backward: all-gather."""
+    group = _resolve(group)
+    if group_rank_and_size(group)[1] == 1:
+        return x
+    return _ReduceScatterToSequenceParallelRegion.apply(x, group)

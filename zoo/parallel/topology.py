@@ -1,0 +1,231 @@
+"""One process grid for tensor x pipeline x data parallelism.
+
+The grid is DeepSpeed's ``PipeModelDataParallelTopology(num_pp, num_mp=tp, num_dp)``. Its axes are
+``(pipe, data, model)`` with ``model`` (= tensor parallel) varying fastest, so the ranks of one TP group are
+adjacent, as Megatron places them inside a node (TP traffic is the heaviest). For 8 ranks at tp=2, pp=2:
+
+    rank:  0 1 2 3 4 5 6 7
+    pipe:  0 0 0 0 1 1 1 1
+    data:  0 0 1 1 0 0 1 1
+    tp:    0 1 0 1 0 1 0 1
+
+``ParallelGrid`` builds every group once and doubles as the ``mpu`` object DeepSpeed expects
+(``deepspeed.initialize(mpu=grid)``, ``checkpointing.configure(mpu_=grid)``). Following DeepSpeed's own
+``PipelineParallelGrid``, "model parallel" there means pipe x tensor; "tensor model parallel" is TP alone.
+
+Layers never read the grid while running: they take ``tp_group=None`` and resolve it once, when built, through
+:func:`get_tensor_model_parallel_group` (``None`` when no grid exists, i.e. a single process).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot be built; the message is one line naming the numbers and the fix."""
+
+
+def check_layout(world_size: int, tp: int = 1, pp: int = 1) -> int:
+    """Validate a (world size, tp, pp) layout and return the data-parallel size."""
+    for name, value in (("tp", tp), ("pp", pp), ("world size", world_size)):
+        if not isinstance(value, int) or value < 1:
+            raise LayoutError(f"{name} must be a positive integer, got {value!r}")
+    if world_size % (tp * pp):
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise LayoutError(
+            f"world size {world_size} is not divisible by tp*pp = {tp * pp}; "
+            f"launch a multiple of {tp * pp} processes or pick tp*pp in {divisors}"
+        )
+    return world_size // (tp * pp)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_minutes: float | None = None) -> None:
+    """Start torch.distributed once, under any launcher or none.
+
+    ``deepspeed``, ``torchrun`` and Slurm/MPI launchers set RANK/WORLD_SIZE (or MPI variables DeepSpeed
+    discovers). A plain ``python script.py`` sets nothing: it becomes a world of one process, so every code path
+    (DeepSpeed engine included) runs unchanged on a laptop. The backend comes from the accelerator: nccl on CUDA,
+    gloo (or ccl) on CPU.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    launched = any(v in os.environ for v in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"))
+    if not launched:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    kwargs = {}
+    if timeout_minutes is not None:
+        from datetime import timedelta
+
+        kwargs["timeout"] = timedelta(minutes=timeout_minutes)
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False, **kwargs)
+    accel = get_accelerator()
+    if accel.device_name() != "cpu":
+        accel.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+@dataclass(frozen=True)
+class _Axis:
+    rank: int
+    world_size: int
+    group: object
+    ranks: tuple
+
+
+class ParallelGrid:
+    """Process groups and ranks of one (tp, pp, dp) layout; also DeepSpeed's ``mpu`` interface."""
+
+    def __init__(self, tp: int = 1, pp: int = 1):
+        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized; call zoo.parallel.topology.init_distributed() first")
+        world_size = dist.get_world_size()
+        self.tp, self.pp, self.dp = tp, pp, check_layout(world_size, tp, pp)
+        self.world_size = world_size
+        self.rank = dist.get_rank()
+        self.topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=self.dp)
+
+        # Every rank must call new_group for every group, in the same order.
+        self._tp = self._build_axis(self.topology.get_axis_comm_lists("model"))
+        self._pp = self._build_axis(self.topology.get_axis_comm_lists("pipe"))
+        self._dp = self._build_axis(self.topology.get_axis_comm_lists("data"))
+        mp_lists = [self.topology.filter_match(data=d) for d in range(self.dp)]  # pipe x tensor, one per replica
+        self._mp = self._build_axis(mp_lists)
+
+    def _build_axis(self, rank_lists) -> _Axis:
+        mine = None
+        for ranks in rank_lists:
+            group = dist.new_group(ranks=ranks) if self.world_size > 1 else dist.group.WORLD
+            if self.rank in ranks:
+                mine = _Axis(ranks.index(self.rank), len(ranks), group, tuple(ranks))
+        assert mine is not None, f"rank {self.rank} is in no group of {rank_lists}"
+        return mine
+
+    # ---- names used across zoo ------------------------------------------------------------------------
+    tp_rank = property(lambda self: self._tp.rank)
+    pp_rank = property(lambda self: self._pp.rank)
+    dp_rank = property(lambda self: self._dp.rank)
+    tp_group = property(lambda self: self._tp.group)
+    pp_group = property(lambda self: self._pp.group)
+    dp_group = property(lambda self: self._dp.group)
+    tp_ranks = property(lambda self: self._tp.ranks)
+    pp_ranks = property(lambda self: self._pp.ranks)
+    dp_ranks = property(lambda self: self._dp.ranks)
+    is_first_stage = property(lambda self: self._pp.rank == 0)
+    is_last_stage = property(lambda self: self._pp.rank == self.pp - 1)
+
+    def __repr__(self):
+        return (f"ParallelGrid(rank={self.rank}, tp={self.tp_rank}/{self.tp}, pp={self.pp_rank}/{self.pp}, "
+                f"dp={self.dp_rank}/{self.dp})")
+
+    # ---- the mpu interface (DeepSpeed engine, ZeRO, activation checkpointing) ---------------------------
+    def get_tensor_model_parallel_rank(self):
+        return self._tp.rank
+
+    def get_tensor_model_parallel_world_size(self):
+        return self._tp.world_size
+
+    def get_tensor_model_parallel_group(self):
+        return self._tp.group
+
+    get_slice_parallel_rank = get_tensor_model_parallel_rank
+    get_slice_parallel_world_size = get_tensor_model_parallel_world_size
+    get_slice_parallel_group = get_tensor_model_parallel_group
+
+    def get_model_parallel_rank(self):
+        return self._mp.rank
+
+    def get_model_parallel_world_size(self):
+        return self._mp.world_size
+
+    def get_model_parallel_group(self):
+        return self._mp.group
+
+    def get_data_parallel_rank(self):
+        return self._dp.rank
+
+    def get_data_parallel_world_size(self):
+        return self._dp.world_size
+
+    def get_data_parallel_group(self):
+        return self._dp.group
+
+    def get_pipe_parallel_rank(self):
+        return self._pp.rank
+
+    def get_pipe_parallel_world_size(self):
+        return self._pp.world_size
+
+    def get_pipe_parallel_group(self):
+        return self._pp.group
+
+    get_pipeline_model_parallel_rank = get_pipe_parallel_rank
+    get_pipeline_model_parallel_world_size = get_pipe_parallel_world_size
+    get_pipeline_model_parallel_group = get_pipe_parallel_group
+
+
+_GRIDS: dict[tuple[int, int], ParallelGrid] = {}
+_CURRENT: ParallelGrid | None = None
+
+
+def initialize_model_parallel(tp: int = 1, pp: int = 1) -> ParallelGrid:
+    """Build (or reuse) the grid for this layout and make it the default for layers built afterwards.
+
+    Starts torch.distributed first when needed, so it works in one plain process with no launcher.
+    The layout is validated before any process group is created.
+    """
+    global _CURRENT
+    if dist.is_available() and dist.is_initialized():
+        check_layout(dist.get_world_size(), tp, pp)
+    else:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        check_layout(world, tp, pp)
+        init_distributed()
+    key = (tp, pp)
+    if key not in _GRIDS:
+        _GRIDS[key] = ParallelGrid(tp, pp)
+    _CURRENT = _GRIDS[key]
+    return _CURRENT
+
+
+def get_grid() -> ParallelGrid | None:
+    """The grid made default by the last :func:`initialize_model_parallel`, or None in a plain process."""
+    return _CURRENT
+
+
+def destroy_model_parallel() -> None:
+    """Forget the grids and tear down torch.distributed (avoids gloo's exit-time abort; PLATFORM.md)."""
+    global _CURRENT
+    _GRIDS.clear()
+    _CURRENT = None
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def get_tensor_model_parallel_group():
+    return None if _CURRENT is None else _CURRENT.tp_group
+
+
+def group_rank_and_size(group) -> tuple[int, int]:
+    """(rank, world size) in ``group``; (0, 1) for ``None`` or when torch.distributed is not running."""
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
