@@ -19,6 +19,10 @@ from zoo.parallel.topology import get_tensor_model_parallel_group, group_rank_an
 
 SEQUENCE_DIM = 1
 
+# torch 2.13 renamed the single-tensor collectives; older releases only have the *_tensor names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def _resolve(group):
     return get_tensor_model_parallel_group() if group is None else group
@@ -39,7 +43,7 @@ def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         return x
     x0 = x.movedim(dim, 0).contiguous()  # gather along dim 0: [world * n, ...]
     out = torch.empty((world * x0.shape[0], *x0.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x0, group=group)
+    _all_gather_single(out, x0, group=group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -51,7 +55,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         raise ValueError(f"cannot reduce-scatter dimension {dim} of size {x.shape[dim]} over {world} ranks")
     x0 = x.movedim(dim, 0).contiguous()
     out = torch.empty((x0.shape[0] // world, *x0.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x0, group=group)
+    _reduce_scatter_single(out, x0, group=group)
     return out.movedim(0, dim).contiguous()
 
 

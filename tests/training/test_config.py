@@ -1,0 +1,69 @@
+"""Run-config parsing, validation (one clear line per problem, before any process group) and the DeepSpeed JSON."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zoo.training.config import ConfigError, deepspeed_config, load, validate
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY, LLAMA = ROOT / "configs/gpt/tiny.yaml", ROOT / "configs/gpt/tiny-llama.yaml"
+
+
+def _validate(path, overrides, world=1, **kw):
+    return validate(load(path, overrides), world, **kw)
+
+
+BAD = [
+    (TINY, ["parallel.tp=3"], 3, r"^num_attention_heads 4 is not divisible by tp 3; use a tp that divides it$"),
+    (LLAMA, ["parallel.tp=4"], 4, r"^num_key_value_heads 2 is not divisible by tp 4; use a tp that divides it$"),
+    (TINY, ["parallel.pp=8"], 8, r"^num_hidden_layers 4 is smaller than pp 8; every pipeline stage needs"),
+    (TINY, ["parallel.pp=2", "parallel.zero_stage=2"], 2,
+     r"^ZeRO stage 2 does not work with pipeline parallelism \(pp=2\); use zero_stage 0 or 1 with pp > 1"),
+    (TINY, ["training.global_batch_size=10"], 1,
+     r"^global batch 10 is not divisible by micro batch 4 x dp 1 = 4; global batch = micro batch x gradient"),
+    (TINY, ["training.global_batch_size=16", "training.gradient_accumulation_steps=3"], 1,
+     r"^global batch 16 != micro batch 4 x gradient accumulation 3 x dp 1"),
+    (TINY, ["parallel.tp=4"], 6, r"^world size 6 is not divisible by tp\*pp = 4 \(tp=4, pp=1\)"),
+    (TINY, ["parallel.sequence_parallel=true"], 1, r"^parallel.sequence_parallel needs tp > 1"),
+    (TINY, ["training.seq_length=512"], 1, r"^training.seq_length 512 exceeds the model's max_position_embeddings 128"),
+    (TINY, ["training.lr=fast"], 1, r"^training.lr must be a float, got 'fast'$"),
+    (TINY, ["training.batch=4"], 1, r"^unknown key\(s\) \['batch'\] in section 'training'"),
+    (TINY, ["model.num_layers=4"], 1, r"^model: GPTConfig: unknown field\(s\) \['num_layers'\]"),
+    (TINY, ["model.preset=gpt5"], 1, r"^model: unknown GPT preset 'gpt5'; presets: "),
+]
+
+
+@pytest.mark.parametrize("path,overrides,world,message", BAD, ids=[m[:40] for *_, m in BAD])
+def test_bad_config_gives_one_line(path, overrides, world, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        _validate(path, overrides, world)
+    assert "\n" not in str(e.value)
+
+
+def test_fp16_where_the_device_refuses_it():
+    with pytest.raises(ConfigError, match=r"^fp16 is not supported on this device \(\w+\); use training.precision: bf16$"):
+        _validate(TINY, ["training.precision=fp16"], fp16_supported=False, bf16_supported=True)
+
+
+def test_derived_batch_numbers_and_deepspeed_json():
+    cfg = load(LLAMA, ["parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1", "training.global_batch_size=32",
+                       "parallel.sequence_parallel=true"])
+    validate(cfg, 8)
+    assert (cfg.dp, cfg.gradient_accumulation_steps, cfg.global_batch_size) == (2, 4, 32)
+    ds = deepspeed_config(cfg)
+    assert ds["train_batch_size"] == 32 == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 2
+    assert ds["zero_optimization"]["stage"] == 1
+    assert ds["pipeline"] == {"pipe_partitioned": False, "grad_partitioned": False}
+
+
+def test_cli_refuses_before_starting_anything(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(ROOT / "launch/train.py"), "--tp", "3", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: world size 1 is not divisible by tp*pp = 3 (tp=3, pp=1); launch a multiple of 3 processes"]
+    assert not out.exists(), "a refused run writes nothing"

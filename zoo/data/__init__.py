@@ -1,0 +1,1 @@
+"""Datasets: synthetic tokens now; corpus, tokenizers and Megatron-style indexed datasets next."""

@@ -1,0 +1,440 @@
+"""GPT models, GPT-2 style and Llama style, from one config, built from tensor-parallel layers.
+
+GPT-2 (Radford et al. 2019): learned positions, LayerNorm, GELU (tanh), biases, tied embeddings.
+Llama (Touvron et al. 2023): rotary positions (RoPE, Su et al. 2021, with linear or Llama-3 frequency scaling),
+RMSNorm, SwiGLU (Shazeer 2020), no biases, grouped-query attention (Ainslie et al. 2023), tied or untied head.
+
+Parallel plan (Megatron-LM, arXiv 1909.08053): fused QKV and MLP fc1 (or gate/up) are column-parallel, the
+attention output and MLP fc2 row-parallel, so a block costs two all-reduces forward; the embedding is
+vocab-parallel and the LM head produces vocab-sharded logits for ``vocab_parallel_cross_entropy``. With sequence
+parallelism (arXiv 2205.05198) the norms, dropouts and residuals work on ``[b, s/tp, h]``.
+
+The model is a list of layer specs (:func:`layer_specs`): ``GPTEmbedding``, ``GPTBlock`` x L, ``GPTFinalNorm``
+and the LM head (the embedding again, through ``TiedLayerSpec``, when tied). Each layer takes and returns one
+tensor. Notation: b batch, s sequence, h hidden, nq/nkv query/key-value heads, d head dim, V padded vocabulary;
+a ``_local`` suffix means "this TP rank's share".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
+from torch import nn
+
+from zoo.parallel.cross_entropy import vocab_parallel_cross_entropy
+from zoo.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    divide,
+    init_method_normal,
+    scaled_init_method_normal,
+)
+from zoo.parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+from zoo.parallel.random import tensor_parallel_rng
+from zoo.parallel.topology import get_tensor_model_parallel_group, group_rank_and_size
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 50257
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    num_key_value_heads: int | None = None  # None: = num_attention_heads (multi-head attention)
+    intermediate_size: int | None = None  # Megatron: ffn_hidden_size. None: 4h (GELU)
+    max_position_embeddings: int = 1024
+    position_embedding_type: str = "learned"  # "learned" (GPT-2) | "rope" (Llama)
+    normalization: str = "layernorm"  # "layernorm" | "rmsnorm"
+    norm_eps: float = 1e-5
+    activation: str = "gelu"  # "gelu" (tanh approximation, GPT-2's gelu_new) | "swiglu"
+    add_bias: bool = True  # biases in every linear layer
+    tie_word_embeddings: bool = True
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "linear", "factor": f} | {"rope_type": "llama3", ...}
+    initializer_range: float = 0.02
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    make_vocab_size_divisible_by: int = 128  # Megatron: the padded vocabulary is a multiple of this x tp
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.intermediate_size is None:
+            self.intermediate_size = 4 * self.hidden_size
+        self.validate()
+
+    def validate(self) -> None:
+        def need(ok, msg):
+            if not ok:
+                raise ValueError(f"GPTConfig: {msg}")
+
+        need(self.position_embedding_type in ("learned", "rope"),
+             f"position_embedding_type must be 'learned' or 'rope', got {self.position_embedding_type!r}")
+        need(self.normalization in ("layernorm", "rmsnorm"),
+             f"normalization must be 'layernorm' or 'rmsnorm', got {self.normalization!r}")
+        need(self.activation in ("gelu", "swiglu"), f"activation must be 'gelu' or 'swiglu', got {self.activation!r}")
+        need(self.hidden_size % self.num_attention_heads == 0,
+             f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}")
+        need(self.num_attention_heads % self.num_key_value_heads == 0,
+             f"num_attention_heads {self.num_attention_heads} is not divisible by num_key_value_heads "
+             f"{self.num_key_value_heads}")
+        need(self.position_embedding_type != "rope" or self.head_dim % 2 == 0,
+             f"RoPE needs an even head dim, got {self.head_dim}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            need(kind in ("linear", "llama3"), f"rope_scaling type must be 'linear' or 'llama3', got {kind!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tp: int = 1) -> int:
+        multiple = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+    def check_layout(self, tp: int, pp: int = 1) -> None:
+        """One line per problem, before anything is built: which number does not divide which."""
+        if self.num_attention_heads % tp:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by tp {tp}; "
+                             f"use a tp that divides it")
+        if self.num_key_value_heads % tp:
+            raise ValueError(f"num_key_value_heads {self.num_key_value_heads} is not divisible by tp {tp}; "
+                             f"use a tp that divides it")
+        if self.intermediate_size % tp:
+            raise ValueError(f"intermediate_size {self.intermediate_size} is not divisible by tp {tp}")
+        if self.num_hidden_layers < pp:
+            raise ValueError(f"num_hidden_layers {self.num_hidden_layers} is smaller than pp {pp}; "
+                             f"every pipeline stage needs at least one layer")
+
+    def num_parameters(self, include_embeddings: bool = True) -> int:
+        """Parameters of the unpadded model (as a HF checkpoint counts them)."""
+        h, f, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
+        d, nq, nkv = self.head_dim, self.num_attention_heads, self.num_key_value_heads
+        bias = self.add_bias
+        norm = h * (2 if self.normalization == "layernorm" else 1)
+        attn = h * (nq + 2 * nkv) * d + nq * d * h + (bias * ((nq + 2 * nkv) * d + h))
+        mlp = (3 if self.activation == "swiglu" else 2) * h * f + bias * ((2 * f if self.activation == "swiglu" else f) + h)
+        total = L * (attn + mlp + 2 * norm) + norm
+        if include_embeddings:
+            total += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+            if self.position_embedding_type == "learned":
+                total += self.max_position_embeddings * h
+        return total
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GPTConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"GPTConfig: unknown field(s) {unknown}; known fields: {sorted(names)}")
+        return cls(**d)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "GPTConfig":
+        if name not in PRESETS:
+            raise ValueError(f"unknown GPT preset {name!r}; presets: {sorted(PRESETS)}")
+        return cls.from_dict({**PRESETS[name], **overrides})
+
+
+_LLAMA = dict(position_embedding_type="rope", normalization="rmsnorm", activation="swiglu", add_bias=False)
+PRESETS: dict[str, dict] = {
+    # Tests and the laptop run.
+    "tiny": dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=128),
+    "tiny-llama": dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=176, max_position_embeddings=128, tie_word_embeddings=False, norm_eps=1e-6,
+                       **_LLAMA),
+    # GPT-2 family (the shapes of the released checkpoints).
+    "gpt2-124m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12),
+    "gpt2-355m": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16),
+    "gpt2-774m": dict(hidden_size=1280, num_hidden_layers=36, num_attention_heads=20),
+    "gpt2-1.5b": dict(hidden_size=1600, num_hidden_layers=48, num_attention_heads=25),
+    # Llama shapes: Llama-3.2-1B and Llama-2-7B.
+    "llama-1b": dict(vocab_size=128256, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, intermediate_size=8192, max_position_embeddings=131072, rope_theta=500000.0,
+                     rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                     tie_word_embeddings=True, **_LLAMA),
+    "llama-7b": dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                     intermediate_size=11008, max_position_embeddings=4096, tie_word_embeddings=False, **_LLAMA),
+}
+
+
+@dataclass
+class ParallelOptions:
+    """How the layers are laid out; not part of the architecture (a checkpoint is the same for any value)."""
+
+    sequence_parallel: bool = False
+    tp_group: object = field(default=None, repr=False)  # None: the current grid's TP group
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Building blocks
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Norm(nn.Module):
+    """LayerNorm or RMSNorm over the last dimension, statistics in fp32 (as HF's LlamaRMSNorm)."""
+
+    def __init__(self, config: GPTConfig, par: ParallelOptions):
+        super().__init__()
+        h = config.hidden_size
+        self.kind, self.eps = config.normalization, config.norm_eps
+        self.weight = nn.Parameter(torch.ones(h))
+        self.bias = nn.Parameter(torch.zeros(h)) if self.kind == "layernorm" else None
+        self.sequence_parallel, self.tp_group = par.sequence_parallel, par.tp_group
+        for p in self.parameters():
+            p.sequence_parallel = par.sequence_parallel
+
+    def forward(self, x):
+        w, b = self.weight, self.bias
+        if self.sequence_parallel:  # this rank saw s/tp positions: sum the weight grads over TP
+            w = copy_to_tensor_model_parallel_region(w, self.tp_group)
+            b = None if b is None else copy_to_tensor_model_parallel_region(b, self.tp_group)
+        if self.kind == "layernorm":
+            return F.layer_norm(x, (x.shape[-1],), w, b, self.eps)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return w * x32.to(x.dtype)
+
+
+def rope_inv_freq(config: GPTConfig) -> torch.Tensor:
+    """theta^(-2i/d) for i < d/2, with linear or Llama-3 (wavelength-banded) scaling applied."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq.float()
+    kind, factor = scaling.get("rope_type", scaling.get("type")), float(scaling["factor"])
+    if kind == "linear":
+        return (inv_freq / factor).float()
+    # Llama 3: long wavelengths slowed by `factor`, short ones kept, a smooth blend in between.
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((old_len / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > old_len / low, inv_freq / factor, blended)
+    return torch.where(wavelen < old_len / high, inv_freq, out).float()
+
+
+def rope_cos_sin(config: GPTConfig, positions: torch.Tensor, dtype: torch.dtype):
+    """cos, sin of shape ``[s, d]`` (the d/2 frequencies repeated, rotate-half layout as in HF Llama)."""
+    inv_freq = rope_inv_freq(config).to(positions.device)
+    freqs = torch.outer(positions.float(), inv_freq)  # [s, d/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [s, d]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """x: [b, n, s, d]. Rotates pairs (x_i, x_{i+d/2}) by the position's angle."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class GPTAttention(nn.Module):
+    """Causal self-attention; heads split over TP.
+
+    The fused QKV weight is laid out per key-value group: ``[q (nq/nkv heads), k, v]`` for each of the nkv groups,
+    so a contiguous TP split hands each rank whole groups (tp must divide nkv), as in Megatron.
+    """
+
+    def __init__(self, config: GPTConfig, par: ParallelOptions, output_init):
+        super().__init__()
+        self.config = config
+        d, nq, nkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
+        self.qkv = ColumnParallelLinear(config.hidden_size, (nq + 2 * nkv) * d, bias=config.add_bias,
+                                        init_method=init_method_normal(config.initializer_range),
+                                        sequence_parallel=par.sequence_parallel, tp_group=par.tp_group)
+        self.dense = RowParallelLinear(nq * d, config.hidden_size, bias=config.add_bias, input_is_parallel=True,
+                                       init_method=output_init, sequence_parallel=par.sequence_parallel,
+                                       tp_group=par.tp_group)
+        tp = self.qkv.tp_world_size
+        self.num_groups_local = divide(nkv, tp, "num_key_value_heads")
+        self.q_per_group = nq // nkv
+        self.head_dim = d
+
+    def forward(self, x):
+        qkv = self.qkv(x)  # [b, s, g_local * (q_per_group + 2) * d]
+        b, s, _ = qkv.shape
+        qkv = qkv.view(b, s, self.num_groups_local, self.q_per_group + 2, self.head_dim)
+        q = qkv[:, :, :, : self.q_per_group].reshape(b, s, -1, self.head_dim).transpose(1, 2)  # [b, nq_local, s, d]
+        k = qkv[:, :, :, self.q_per_group].transpose(1, 2)  # [b, nkv_local, s, d]
+        v = qkv[:, :, :, self.q_per_group + 1].transpose(1, 2)
+        if self.config.position_embedding_type == "rope":
+            cos, sin = rope_cos_sin(self.config, torch.arange(s, device=x.device), q.dtype)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        p = self.config.attention_dropout if self.training else 0.0
+        with tensor_parallel_rng():  # heads are sharded: each rank draws its own heads' masks
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                 enable_gqa=self.q_per_group > 1)  # [b, nq_local, s, d]
+        out = out.transpose(1, 2).reshape(b, s, -1)  # [b, s, nq_local * d]
+        return self.dense(out)
+
+
+class GPTMLP(nn.Module):
+    """GELU: fc2(gelu(fc1 x)). SwiGLU: fc2(silu(gate x) * up x), gate and up fused in one column-parallel weight
+    ``[gate; up]`` split with stride 2, so each rank holds matching halves of both."""
+
+    def __init__(self, config: GPTConfig, par: ParallelOptions, output_init):
+        super().__init__()
+        h, f = config.hidden_size, config.intermediate_size
+        self.swiglu = config.activation == "swiglu"
+        self.fc1 = ColumnParallelLinear(h, 2 * f if self.swiglu else f, bias=config.add_bias,
+                                        stride=2 if self.swiglu else 1,
+                                        init_method=init_method_normal(config.initializer_range),
+                                        sequence_parallel=par.sequence_parallel, tp_group=par.tp_group)
+        self.fc2 = RowParallelLinear(f, h, bias=config.add_bias, input_is_parallel=True, init_method=output_init,
+                                     sequence_parallel=par.sequence_parallel, tp_group=par.tp_group)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.fc2(h)
+
+
+def _dropout(x, p, training, sequence_parallel):
+    if not training or p == 0.0:
+        return x
+    if sequence_parallel:  # sequence shards differ per rank: draw from the TP stream
+        with tensor_parallel_rng():
+            return F.dropout(x, p, True)
+    return F.dropout(x, p, True)
+
+
+class GPTEmbedding(nn.Module):
+    """Token ids ``[b, s]`` -> hidden ``[b, s, h]`` (``[b, s/tp, h]`` with sequence parallelism).
+
+    Also the tied LM head (``lm_logits``) on the last pipeline stage when embeddings are tied.
+    """
+
+    def __init__(self, config: GPTConfig, par: ParallelOptions):
+        super().__init__()
+        self.config, self.par = config, par
+        tp = group_rank_and_size(par.tp_group)[1]
+        self.word_embeddings = VocabParallelEmbedding(config.padded_vocab_size(tp), config.hidden_size,
+                                                      init_method=init_method_normal(config.initializer_range),
+                                                      tp_group=par.tp_group)
+        if config.position_embedding_type == "learned":
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+            init_method_normal(config.initializer_range)(self.position_embeddings.weight.data)
+        else:
+            self.position_embeddings = None
+
+    @property
+    def word_embeddings_weight(self):  # TiedLayerSpec fetches the shared weight with getattr
+        return self.word_embeddings.weight
+
+    def forward(self, ids):
+        s = ids.shape[1]
+        if s > self.config.max_position_embeddings:
+            raise ValueError(f"sequence length {s} exceeds max_position_embeddings {self.config.max_position_embeddings}")
+        x = self.word_embeddings(ids)  # [b, s, h]
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(torch.arange(s, device=ids.device))
+        if self.par.sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x, self.par.tp_group)  # [b, s/tp, h]
+        return _dropout(x, self.config.hidden_dropout, self.training, self.par.sequence_parallel)
+
+
+def lm_logits(embedding: GPTEmbedding, hidden):
+    """Tied LM head: hidden ``[b, s(/tp), h]`` -> vocab-sharded logits ``[b, s, V/tp]`` with the input embedding."""
+    return _parallel_logits(hidden, embedding.word_embeddings.weight, embedding.par)
+
+
+def _parallel_logits(hidden, weight, par: ParallelOptions):
+    if par.sequence_parallel:
+        hidden = gather_from_sequence_parallel_region(hidden, par.tp_group, tensor_parallel_output_grad=True)
+    else:
+        hidden = copy_to_tensor_model_parallel_region(hidden, par.tp_group)
+    return F.linear(hidden, weight)
+
+
+class GPTLMHead(nn.Module):
+    """Untied LM head: a column-parallel ``[V/tp, h]`` weight producing vocab-sharded logits."""
+
+    def __init__(self, config: GPTConfig, par: ParallelOptions):
+        super().__init__()
+        tp = group_rank_and_size(par.tp_group)[1]
+        self.par = par
+        self.linear = ColumnParallelLinear(config.hidden_size, config.padded_vocab_size(tp), bias=False,
+                                           init_method=init_method_normal(config.initializer_range),
+                                           sequence_parallel=par.sequence_parallel, tp_group=par.tp_group)
+
+    def forward(self, hidden):
+        return self.linear(hidden)
+
+
+class GPTBlock(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)); ``[b, s(/tp), h]`` in and out."""
+
+    def __init__(self, config: GPTConfig, par: ParallelOptions, layer_idx: int):
+        super().__init__()
+        self.config, self.par, self.layer_idx = config, par, layer_idx
+        output_init = scaled_init_method_normal(config.initializer_range, config.num_hidden_layers)
+        self.input_norm = Norm(config, par)
+        self.attention = GPTAttention(config, par, output_init)
+        self.post_attention_norm = Norm(config, par)
+        self.mlp = GPTMLP(config, par, output_init)
+
+    def forward(self, x):
+        p, sp = self.config.hidden_dropout, self.par.sequence_parallel
+        x = x + _dropout(self.attention(self.input_norm(x)), p, self.training, sp)
+        return x + _dropout(self.mlp(self.post_attention_norm(x)), p, self.training, sp)
+
+
+class GPTFinalNorm(Norm):
+    """The norm after the last block (its own class name, for ``type:`` partitioning)."""
+
+
+def layer_specs(config: GPTConfig, par: ParallelOptions | None = None) -> list:
+    """The model as DeepSpeed layer specs; the TP group is resolved here, once."""
+    par = par or ParallelOptions()
+    if par.tp_group is None:
+        par = ParallelOptions(par.sequence_parallel, get_tensor_model_parallel_group())
+    tp = group_rank_and_size(par.tp_group)[1]
+    config.check_layout(tp)
+    blocks = [LayerSpec(GPTBlock, config, par, i) for i in range(config.num_hidden_layers)]
+    if config.tie_word_embeddings:
+        return [
+            TiedLayerSpec("embed", GPTEmbedding, config, par, tied_weight_attr="word_embeddings_weight"),
+            *blocks,
+            LayerSpec(GPTFinalNorm, config, par),
+            TiedLayerSpec("embed", GPTEmbedding, config, par, forward_fn=lm_logits,
+                          tied_weight_attr="word_embeddings_weight"),
+        ]
+    return [LayerSpec(GPTEmbedding, config, par), *blocks, LayerSpec(GPTFinalNorm, config, par),
+            LayerSpec(GPTLMHead, config, par)]
+
+
+CHECKPOINTABLE_LAYERS = ("GPTBlock",)
+
+
+class GPTLoss:
+    """Mean next-token cross entropy over the labels that are not ``ignore_index``, from vocab-sharded logits."""
+
+    def __init__(self, config: GPTConfig, tp_group=None, ignore_index: int = -100, label_smoothing: float = 0.0):
+        self.vocab_size, self.ignore_index, self.label_smoothing = config.vocab_size, ignore_index, label_smoothing
+        self.tp_group = get_tensor_model_parallel_group() if tp_group is None else tp_group
+
+    def __call__(self, logits, labels):
+        losses = vocab_parallel_cross_entropy(logits, labels, label_smoothing=self.label_smoothing,
+                                              ignore_index=self.ignore_index, vocab_size=self.vocab_size,
+                                              tp_group=self.tp_group)
+        count = (labels != self.ignore_index).sum().clamp(min=1)
+        return losses.sum() / count

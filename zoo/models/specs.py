@@ -1,0 +1,78 @@
+"""One model definition, two uses: a list of DeepSpeed layer specs builds the plain module and the pipeline.
+
+``SpecSequential`` builds the specs in one process exactly as ``PipelineModule`` builds its stage: same per-layer
+seeds (``base_seed + layer_idx``), same names (``"<layer_idx>.<param>"`` and ``"tied_modules.<key>.<param>"``), same
+forward (each layer's output is the next one's input). So a plain and a pipelined model built from the same specs
+hold the same weights under the same state-dict keys, and one checkpoint converter serves both.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from torch import nn
+
+
+def seed_layer(seed: int) -> None:
+    """Seed the generators a layer's initialization draws from (the master weights are built on the CPU)."""
+    torch.manual_seed(seed)
+    get_accelerator().manual_seed_all(seed)
+
+
+class SpecSequential(nn.Module):
+    """The layer specs built in one process, named and seeded as ``PipelineModule`` would."""
+
+    def __init__(self, specs: list, *, base_seed: int = 1234, activation_checkpointing: bool = False,
+                 checkpointable_layers: tuple[str, ...] = ()):
+        super().__init__()
+        self.tied_modules = nn.ModuleDict()
+        self._funcs: list = []
+        self._checkpointed: list[bool] = []
+        for idx, spec in enumerate(specs):
+            seed_layer(base_seed + idx)
+            if isinstance(spec, TiedLayerSpec):
+                if spec.key not in self.tied_modules:
+                    self.tied_modules[spec.key] = spec.build()
+                module = self.tied_modules[spec.key]
+                fn = module if spec.forward_fn is None else partial(spec.forward_fn, module)
+            elif isinstance(spec, LayerSpec):
+                module = fn = spec.build()
+                self.add_module(str(idx), module)
+            elif isinstance(spec, nn.Module):
+                module = fn = spec
+                self.add_module(str(idx), module)
+            else:
+                module, fn = None, spec
+            self._funcs.append(fn)
+            self._checkpointed.append(activation_checkpointing and type(module).__name__ in checkpointable_layers)
+
+    def forward(self, x):
+        from zoo.parallel.random import checkpoint
+
+        for fn, ckpt in zip(self._funcs, self._checkpointed):
+            if ckpt and torch.is_grad_enabled():
+                # As PipelineModule: the checkpoint function takes the tuple's elements as arguments.
+                args = x if isinstance(x, tuple) else (x,)
+                x = checkpoint(lambda *a, fn=fn: fn(a[0] if len(a) == 1 else a), *args)
+            else:
+                x = fn(x)
+        return x
+
+
+def build_pipeline(specs: list, grid, *, loss_fn, base_seed: int = 1234, partition_method: str = "parameters",
+                   activation_checkpointing: bool = False, checkpointable_layers: tuple[str, ...] = ()) -> PipelineModule:
+    """The same specs as a DeepSpeed ``PipelineModule`` on ``grid``'s topology, 1F1B schedule."""
+    return PipelineModule(
+        layers=specs,
+        topology=grid.topology,
+        loss_fn=loss_fn,
+        seed_layers=True,
+        seed_fn=seed_layer,
+        base_seed=base_seed,
+        partition_method=partition_method,
+        activation_checkpoint_interval=1 if activation_checkpointing else 0,
+        checkpointable_layers=list(checkpointable_layers) if activation_checkpointing else None,
+    )

@@ -1,0 +1,294 @@
+"""Run configuration: YAML -> dataclasses, command-line overrides, validation, and the DeepSpeed JSON.
+
+A run config has four sections (see ``configs/gpt/tiny.yaml``)::
+
+    model:     {family: gpt, preset: tiny, <any GPTConfig field>: value}
+    parallel:  {tp, pp, zero_stage, sequence_parallel, activation_checkpointing, partition_method}
+    training:  {seed, steps, micro_batch_size, global_batch_size, gradient_accumulation_steps, seq_length,
+                lr, min_lr, warmup_steps, weight_decay, adam_beta1, adam_beta2, adam_eps, grad_clip, precision}
+    data:      {source: synthetic}
+
+Everything is checked by :func:`validate` before any process group exists; each problem is one line naming the
+numbers and the fix. The DeepSpeed config is generated from the run config (:func:`deepspeed_config`), never kept
+by hand beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from zoo.models.gpt import GPTConfig
+
+
+class ConfigError(ValueError):
+    """A bad run configuration; the message is one line saying what and how to fix it."""
+
+
+@dataclass
+class ModelSection:
+    family: str = "gpt"
+    preset: str | None = "tiny"
+    overrides: dict = field(default_factory=dict)  # GPTConfig fields given beside `preset`
+
+    def build(self) -> GPTConfig:
+        if self.family != "gpt":
+            raise ConfigError(f"model.family {self.family!r} is not available yet; supported: ['gpt']")
+        try:
+            if self.preset is None:
+                return GPTConfig.from_dict(self.overrides)
+            return GPTConfig.from_preset(self.preset, **self.overrides)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"model: {e}") from None
+
+
+@dataclass
+class ParallelSection:
+    tp: int = 1
+    pp: int = 1
+    zero_stage: int = 0
+    sequence_parallel: bool = False
+    activation_checkpointing: bool = False
+    partition_method: str = "parameters"  # DeepSpeed: "parameters" | "uniform" | "type:<regex>"
+
+
+@dataclass
+class TrainingSection:
+    seed: int = 1234
+    steps: int = 20
+    micro_batch_size: int = 4
+    global_batch_size: int | None = None  # default: micro_batch_size x accumulation x dp
+    gradient_accumulation_steps: int | None = None  # default: derived from global_batch_size, else 1
+    seq_length: int = 64
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 0
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    precision: str = "fp32"  # "fp32" | "bf16" | "fp16"
+    log_interval: int = 1
+
+
+@dataclass
+class DataSection:
+    source: str = "synthetic"
+
+
+@dataclass
+class RunConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    training: TrainingSection = field(default_factory=TrainingSection)
+    data: DataSection = field(default_factory=DataSection)
+    out: str = "runs/gpt"
+
+    # Filled by validate(): the derived numbers every rank agrees on.
+    dp: int = 1
+    gradient_accumulation_steps: int = 1
+    global_batch_size: int = 0
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["model"] = {"family": self.model.family, "preset": self.model.preset, **self.model.overrides}
+        return d
+
+
+_SECTIONS = {"model": ModelSection, "parallel": ParallelSection, "training": TrainingSection, "data": DataSection}
+
+
+def _coerce(value: str) -> Any:
+    """A --set value as YAML would read it: numbers, booleans, null, lists, or a plain string."""
+    return yaml.safe_load(value)
+
+
+def _typed(section: str, f: dataclasses.Field, value: Any) -> Any:
+    """Check a value against the field's annotation; numbers written as strings ('3e-4', which YAML reads as text)
+    become numbers. Anything else that does not fit is a one-line error."""
+    kind = str(f.type).replace(" | None", "")
+    if value is None and "None" in str(f.type):
+        return None
+    try:
+        if kind == "float" and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            return float(value)
+        if kind == "int" and not isinstance(value, bool):
+            if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+                return int(value)
+            if isinstance(value, str):
+                return int(value)
+        if kind == "bool" and isinstance(value, bool):
+            return value
+        if kind == "str" and isinstance(value, str):
+            return value
+    except ValueError:
+        pass
+    else:
+        if kind not in ("float", "int", "bool", "str"):
+            return value
+    raise ConfigError(f"{section}.{f.name} must be {'an' if kind == 'int' else 'a'} {kind}, got {value!r}")
+
+
+def from_dict(raw: dict) -> RunConfig:
+    raw = dict(raw or {})
+    cfg = RunConfig()
+    unknown = sorted(set(raw) - set(_SECTIONS) - {"out"})
+    if unknown:
+        raise ConfigError(f"unknown top-level key(s) {unknown}; expected {sorted(_SECTIONS) + ['out']}")
+    if "out" in raw:
+        cfg.out = str(raw["out"])
+    for name, cls in _SECTIONS.items():
+        section = dict(raw.get(name) or {})
+        if not isinstance(section, dict):
+            raise ConfigError(f"section {name!r} must be a mapping, got {type(section).__name__}")
+        if cls is ModelSection:
+            family = section.pop("family", "gpt")
+            preset = section.pop("preset", "tiny")
+            setattr(cfg, name, ModelSection(family, preset, section))
+            continue
+        known = {f.name: f for f in fields(cls)}
+        bad = sorted(set(section) - set(known))
+        if bad:
+            raise ConfigError(f"unknown key(s) {bad} in section {name!r}; known: {sorted(known)}")
+        setattr(cfg, name, cls(**{k: _typed(name, known[k], v) for k, v in section.items()}))
+    return cfg
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """``section.key=value`` pairs (``--set training.lr=3e-4 model.num_hidden_layers=8``) into a raw dict."""
+    raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (raw or {}).items()}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set expects section.key=value, got {item!r}")
+        key, value = item.split("=", 1)
+        parts = key.split(".")
+        if len(parts) == 1 and parts[0] == "out":
+            raw["out"] = value
+            continue
+        if len(parts) != 2 or parts[0] not in _SECTIONS:
+            raise ConfigError(f"--set key {key!r} must be <section>.<key> with section in {sorted(_SECTIONS)}, or 'out'")
+        raw.setdefault(parts[0], {})
+        raw[parts[0]] = dict(raw[parts[0]] or {})
+        raw[parts[0]][parts[1]] = _coerce(value)
+    return raw
+
+
+def load(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    raw: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist; see configs/ for examples")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
+    return from_dict(apply_overrides(raw, list(overrides)))
+
+
+def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = None,
+             bf16_supported: bool | None = None) -> GPTConfig:
+    """Check the run for ``world_size`` processes; fill in dp, accumulation and global batch. Returns the model config."""
+    par, tr = cfg.parallel, cfg.training
+    model = cfg.model.build()
+    for name in ("tp", "pp"):
+        v = getattr(par, name)
+        if not isinstance(v, int) or v < 1:
+            raise ConfigError(f"parallel.{name} must be a positive integer, got {v!r}")
+    if world_size % (par.tp * par.pp):
+        raise ConfigError(f"world size {world_size} is not divisible by tp*pp = {par.tp * par.pp} "
+                          f"(tp={par.tp}, pp={par.pp}); launch a multiple of {par.tp * par.pp} processes")
+    cfg.dp = world_size // (par.tp * par.pp)
+    try:
+        model.check_layout(par.tp, par.pp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if par.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {par.zero_stage!r}")
+    if par.pp > 1 and par.zero_stage > 1:
+        raise ConfigError(f"ZeRO stage {par.zero_stage} does not work with pipeline parallelism (pp={par.pp}); "
+                          f"use zero_stage 0 or 1 with pp > 1, or pp=1 for ZeRO-2/3")
+    if par.sequence_parallel and par.tp == 1:
+        raise ConfigError("parallel.sequence_parallel needs tp > 1 (it splits the sequence over the TP group)")
+    if par.sequence_parallel and tr.seq_length % par.tp:
+        raise ConfigError(f"training.seq_length {tr.seq_length} is not divisible by tp {par.tp}, "
+                          f"which sequence parallelism needs")
+    if tr.seq_length > model.max_position_embeddings:
+        raise ConfigError(f"training.seq_length {tr.seq_length} exceeds the model's max_position_embeddings "
+                          f"{model.max_position_embeddings}")
+    for name in ("steps", "micro_batch_size", "seq_length", "log_interval"):
+        v = getattr(tr, name)
+        if not isinstance(v, int) or v < 1:
+            raise ConfigError(f"training.{name} must be a positive integer, got {v!r}")
+
+    per_step = tr.micro_batch_size * cfg.dp
+    if tr.global_batch_size is None:
+        cfg.gradient_accumulation_steps = tr.gradient_accumulation_steps or 1
+    else:
+        if tr.global_batch_size % per_step:
+            raise ConfigError(f"global batch {tr.global_batch_size} is not divisible by micro batch "
+                              f"{tr.micro_batch_size} x dp {cfg.dp} = {per_step}; global batch = micro batch x "
+                              f"gradient accumulation x dp")
+        cfg.gradient_accumulation_steps = tr.global_batch_size // per_step
+        if tr.gradient_accumulation_steps not in (None, cfg.gradient_accumulation_steps):
+            raise ConfigError(f"global batch {tr.global_batch_size} != micro batch {tr.micro_batch_size} x gradient "
+                              f"accumulation {tr.gradient_accumulation_steps} x dp {cfg.dp}; set one of "
+                              f"global_batch_size or gradient_accumulation_steps")
+    cfg.global_batch_size = per_step * cfg.gradient_accumulation_steps
+
+    if tr.precision not in ("fp32", "bf16", "fp16"):
+        raise ConfigError(f"training.precision must be fp32, bf16 or fp16, got {tr.precision!r}")
+    if tr.precision in ("fp16", "bf16"):
+        from deepspeed.accelerator import get_accelerator
+
+        accel = get_accelerator()
+        supported = {"fp16": fp16_supported if fp16_supported is not None else accel.is_fp16_supported(),
+                     "bf16": bf16_supported if bf16_supported is not None else accel.is_bf16_supported()}
+        if not supported[tr.precision]:
+            raise ConfigError(f"{tr.precision} is not supported on this device ({accel.device_name()}); "
+                              f"use training.precision: {'bf16' if supported['bf16'] else 'fp32'}")
+    if cfg.data.source != "synthetic":
+        raise ConfigError(f"data.source {cfg.data.source!r} is not available; supported: ['synthetic']")
+    return model
+
+
+def deepspeed_config(cfg: RunConfig) -> dict:
+    """The DeepSpeed JSON for a validated run config.
+
+    The LR schedule is zoo's own (``zoo.training.train.lr_factor``, handed to ``deepspeed.initialize``): DeepSpeed's
+    WarmupCosineLR trains its first step at LR 0.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    tr, par = cfg.training, cfg.parallel
+    on_cpu = get_accelerator().device_name() == "cpu"
+    ds = {
+        "train_batch_size": cfg.global_batch_size,
+        "train_micro_batch_size_per_gpu": tr.micro_batch_size,
+        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "optimizer": {
+            "type": "AdamW",
+            # torch's AdamW (fused kernel on accelerators): no JIT build of DeepSpeed's FusedAdam needed.
+            "params": {"lr": tr.lr, "betas": [tr.adam_beta1, tr.adam_beta2], "eps": tr.adam_eps,
+                       "weight_decay": tr.weight_decay, "torch_adam": True, **({} if on_cpu else {"fused": True})},
+        },
+        "gradient_clipping": tr.grad_clip,
+        "zero_optimization": {"stage": par.zero_stage},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if par.sequence_parallel and par.pp > 1:
+        # DeepSpeed's partitioned p2p assumes activations replicated over TP; with SP each rank holds its own shard.
+        ds["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
+    if tr.precision == "bf16":
+        ds["bf16"] = {"enabled": True}
+    elif tr.precision == "fp16":
+        ds["fp16"] = {"enabled": True, "initial_scale_power": 16}
+    return ds
