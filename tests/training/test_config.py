@@ -48,6 +48,15 @@ def test_fp16_where_the_device_refuses_it():
         _validate(TINY, ["training.precision=fp16"], fp16_supported=False, bf16_supported=True)
 
 
+def test_fp16_refused_on_this_machine_when_its_accelerator_says_so():
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().is_fp16_supported():
+        pytest.skip("this accelerator supports fp16")
+    with pytest.raises(ConfigError, match=r"^fp16 is not supported on this device \(cpu\)"):
+        _validate(TINY, ["training.precision=fp16"])
+
+
 def test_derived_batch_numbers_and_deepspeed_json():
     cfg = load(LLAMA, ["parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1", "training.global_batch_size=32",
                        "parallel.sequence_parallel=true"])

@@ -70,7 +70,7 @@ def test_layout_matches_single_process(dist_run, tmp_path, model, layout):
     assert expected[-1] < expected[0], f"the reference run must learn: {expected}"
 
 
-@pytest.mark.parametrize("layout", ["single", "tp2", "pp2", "dp2-zero2", "tp2-pp2"])
+@pytest.mark.parametrize("layout", ["single", *LAYOUTS])
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
 def test_bf16_trains_in_every_layout(dist_run, tmp_path, model, layout):
     fp32 = reference(dist_run, model)
