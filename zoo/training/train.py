@@ -107,6 +107,7 @@ def train(cfg: RunConfig, model_cfg, grid, log=print) -> list[float]:
     from deepspeed.accelerator import get_accelerator
 
     from zoo.data.synthetic import SyntheticTokens, micro_batch
+    from zoo.training.metrics import device_name, peak_memory_gb, peak_tflops, training_flops_per_token
 
     tr = cfg.training
     engine, loss_fn = build_engine(cfg, model_cfg, grid)
@@ -123,6 +124,9 @@ def train(cfg: RunConfig, model_cfg, grid, log=print) -> list[float]:
     out = Path(cfg.out)
     metrics = MetricsWriter(out, grid.rank == 0)
     tokens_per_step = cfg.global_batch_size * tr.seq_length
+    flops_per_step = tokens_per_step * training_flops_per_token(model_cfg, tr.seq_length,
+                                                                cfg.parallel.activation_checkpointing)
+    peak = peak_tflops(device_name(), tr.precision)
     losses, start = [], time.perf_counter()
     for step in range(tr.steps):
         t0 = time.perf_counter()
@@ -144,15 +148,18 @@ def train(cfg: RunConfig, model_cfg, grid, log=print) -> list[float]:
         dt = time.perf_counter() - t0
         losses.append(loss)
         grad_norm = engine.get_global_grad_norm()
+        tflops = flops_per_step / dt / grid.world_size / 1e12
         record = {"step": step + 1, "loss": loss, "lr": lr,
                   "grad_norm": None if grad_norm is None else float(grad_norm),
-                  "tokens_per_s": tokens_per_step / dt, "step_time_s": dt}
+                  "tokens_per_s": tokens_per_step / dt, "tflops_per_device": tflops,
+                  "mfu": None if peak is None else tflops / peak, "peak_memory_gb": peak_memory_gb(),
+                  "step_time_s": dt}
         metrics.write(record)
         if grid.rank == 0 and ((step + 1) % tr.log_interval == 0 or step + 1 == tr.steps):
             elapsed = time.perf_counter() - start
             eta = elapsed / (step + 1) * (tr.steps - step - 1)
             log(f"step {step + 1}/{tr.steps} | loss {loss:.4f} | lr {record['lr']:.2e} | "
-                f"{record['tokens_per_s']:.0f} tok/s | ETA {eta:.0f}s")
+                f"{record['tokens_per_s']:.0f} tok/s | {tflops:.3f} TFLOP/s/device | ETA {eta:.0f}s")
     metrics.close()
     engine.destroy()  # frees DeepSpeed's hooks and buffers; tests train many engines in one process
     return losses

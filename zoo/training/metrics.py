@@ -1,0 +1,74 @@
+"""Throughput figures from the model's own FLOP count: TFLOP/s per device and MFU.
+
+Forward FLOPs of one token at sequence length s (a multiply-add is 2 FLOPs; causal attention counted in full, as
+Megatron does):
+
+    per layer:  2h(nq + 2 nkv)d        QKV projection (grouped-query attention: nkv <= nq key/value heads)
+              + 2 nq d h               attention output projection
+              + 4 s nq d               scores QK^T and the weighted sum over V
+              + 2 h f k                MLP, k = 2 matrices (GELU) or 3 (SwiGLU: gate, up, down)
+    head:       2 h V                  logits
+
+Training costs 3 forwards (backward = 2), plus one more forward of every block when activations are recomputed.
+For GPT-2 shapes (nq = nkv, nq d = h, f = 4h, GELU) with recomputation this is exactly Megatron-LM's
+96 B s l h^2 (1 + s/6h + V/16lh) (Narayanan et al. 2021, eq. 3), as the tests check.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+# Dense bf16/fp16 tensor-core peaks in TFLOP/s, by a substring of the device name (vendor data sheets).
+PEAK_TFLOPS_16BIT = {"H200": 989.5, "H100": 989.5, "H800": 989.5, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
+                     "A10G": 125.0, "V100": 125.0, "MI300X": 1307.4, "MI250X": 383.0}
+
+
+def forward_flops_per_token(config, seq_length: int) -> float:
+    h, L, s = config.hidden_size, config.num_hidden_layers, seq_length
+    d, nq, nkv, f = config.head_dim, config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
+    mlp_matrices = 3 if config.activation == "swiglu" else 2
+    per_layer = 2 * h * (nq + 2 * nkv) * d + 2 * nq * d * h + 4 * s * nq * d + 2 * h * f * mlp_matrices
+    return L * per_layer + 2 * h * config.vocab_size
+
+
+def training_flops_per_token(config, seq_length: int, recompute: bool = False) -> float:
+    fwd = forward_flops_per_token(config, seq_length)
+    head = 2 * config.hidden_size * config.vocab_size
+    blocks = fwd - head
+    return 3 * fwd + (blocks if recompute else 0)
+
+
+def peak_tflops(device_name: str | None, precision: str) -> float | None:
+    """The device's dense peak for this precision where known (None on CPUs and unknown devices)."""
+    if device_name is None or precision not in ("bf16", "fp16"):
+        return None
+    for key, value in PEAK_TFLOPS_16BIT.items():
+        if key in device_name:
+            return value
+    return None
+
+
+def device_name() -> str | None:
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    if accel.device_name() == "cpu":
+        return None
+    try:
+        import torch
+
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else accel.device_name()
+    except Exception:
+        return accel.device_name()
+
+
+def peak_memory_gb() -> float:
+    """Peak device memory allocated by this process; on CPU, the process's peak resident set size."""
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    if accel.device_name() != "cpu":
+        return accel.max_memory_allocated() / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)
