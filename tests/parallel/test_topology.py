@@ -1,6 +1,7 @@
 """The process grid: layout validation, TP adjacency, group membership, the mpu interface, and launchers."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -85,7 +86,8 @@ def _launch(cmd, tmp_path, tp):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("WORLD_SIZE", None)
     out = subprocess.run([*cmd, str(script)], capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("GRID")]
+    # Ranks share stdout, so two prints may land on one line: match records, not lines.
+    lines = re.findall(r"GRID rank=\d+ world=\d+ tp=\d+ dp=\d+ sum=\d+", out.stdout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return sorted(lines)
 
