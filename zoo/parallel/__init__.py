@@ -5,13 +5,19 @@ This package is the only one in zoo that talks to torch.distributed directly.
 
 from zoo.parallel.cross_entropy import vocab_parallel_cross_entropy
 from zoo.parallel.layers import (
+    ColumnParallelConv2d,
     ColumnParallelLinear,
+    ParallelConvAttention,
+    ParallelGroupNorm,
+    RowParallelConv2d,
     RowParallelLinear,
     VocabParallelEmbedding,
     init_method_normal,
+    init_method_torch_default,
     scaled_init_method_normal,
 )
 from zoo.parallel.mappings import (
+    all_reduce_tensor_model_parallel_region,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,

@@ -6,6 +6,10 @@
   X = [X_1, ..., X_p]; rank i computes X_i A_i, the partial sums are all-reduced, and b is added once.
 - ``VocabParallelEmbedding``: the table split along the vocabulary; each rank looks up the ids it owns, writes
   zeros for the others, and the partial results are all-reduced.
+- ``ColumnParallelConv2d`` / ``RowParallelConv2d``: the same two splits for a convolution, on the output and the
+  input channels of ``[b, C, H, W]`` (channels on dim 1); ``ParallelGroupNorm`` normalizes channel-sharded
+  activations between them; ``ParallelConvAttention`` is spatial self-attention with heads split over TP
+  (U-Net blocks, as in diffusers' ``ResnetBlock2D`` and ``Attention``).
 
 Weights are stored like ``nn.Linear`` (``[out, in]``), so "columns of A" are rows of ``weight`` (partition_dim 0).
 
@@ -29,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo.parallel.mappings import (
+    all_reduce_tensor_model_parallel_region,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -224,3 +229,271 @@ class VocabParallelEmbedding(nn.Module):
     def extra_repr(self):
         return (f"{self.num_embeddings} (local {self.num_embeddings_per_partition}), {self.embedding_dim}, "
                 f"sp={self.sequence_parallel}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Convolutions, GroupNorm and spatial self-attention: the same pattern with channels in place of features.
+# Activations are ``[b, C, H, W]``; "sharded" means this rank holds ``[b, C/tp, H, W]``, the rank-th contiguous
+# block of channels. A conv is a sum over input channels of per-channel filters, so splitting output channels
+# (column) or input channels (row) is exact, padding included.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def init_method_torch_default(w: torch.Tensor) -> torch.Tensor:
+    """kaiming-uniform(a=sqrt(5)): the default of ``nn.Conv2d`` and ``nn.Linear``, U(+-1/sqrt(fan_in))."""
+    return nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+
+
+def _pair(v) -> tuple[int, int]:
+    return (v, v) if isinstance(v, int) else tuple(v)
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _init_conv(module: nn.Module, shape, partition_dim: int, bias: bool, shard_bias: bool,
+               init_method: InitMethod, bias_init_method: InitMethod | None, dtype, device) -> None:
+    """Draw the full weight, then the full bias, on the CPU in ``nn.Conv2d``'s order; keep this rank's slices.
+
+    With the default methods a layer built at tp=1 after ``torch.manual_seed(s)`` equals ``nn.Conv2d`` built after
+    the same seed, and at tp=N it is that layer sliced. The bias bound uses the *full* weight's fan-in.
+    """
+    rank, world = module.tp_rank, module.tp_world_size
+    master = torch.empty(shape, dtype=torch.float32)
+    init_method(master)
+    module.weight = nn.Parameter(shard_master_weight(master, partition_dim, rank, world).to(device=device, dtype=dtype))
+    set_tensor_model_parallel_attributes(module.weight, partition_dim)
+    if not bias:
+        module.register_parameter("bias", None)
+        return
+    master_bias = torch.empty(shape[0], dtype=torch.float32)
+    if bias_init_method is None:
+        fan_in = shape[1] * shape[2] * shape[3]
+        nn.init.uniform_(master_bias, -1.0 / math.sqrt(fan_in), 1.0 / math.sqrt(fan_in))
+    else:
+        bias_init_method(master_bias)
+    if shard_bias:
+        master_bias = shard_master_weight(master_bias, 0, rank, world)
+    module.bias = nn.Parameter(master_bias.to(device=device, dtype=dtype))
+    if shard_bias:
+        set_tensor_model_parallel_attributes(module.bias, 0)
+
+
+class _ParallelConv2dBase(nn.Module):
+    def _setup(self, in_channels, out_channels, kernel_size, stride, padding, dilation, tp_group):
+        self.tp_group = get_tensor_model_parallel_group() if tp_group is None else tp_group
+        self.tp_rank, self.tp_world_size = group_rank_and_size(self.tp_group)
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.kernel_size, self.stride, self.dilation = _pair(kernel_size), _pair(stride), _pair(dilation)
+        self.padding = padding if isinstance(padding, str) else _pair(padding)
+
+    def _conv(self, x, bias):
+        return F.conv2d(x, self.weight, bias, self.stride, self.padding, self.dilation)
+
+
+class ColumnParallelConv2d(_ParallelConv2dBase):
+    """Y = W * X + b with W split along the output channels: ``weight`` is ``[out / tp, in, kh, kw]``.
+
+    Input: ``[b, in, H, W]``, replicated on the TP group (forward identity, backward all-reduce: Megatron's ``f``).
+    Output: this rank's channels ``[b, out / tp, H', W']``, or all of them with ``gather_output=True``. The bias
+    is split like the output channels. Default init: ``nn.Conv2d``'s, on the full weight.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1, *,
+                 bias: bool = True, gather_output: bool = False, init_method: InitMethod = init_method_torch_default,
+                 bias_init_method: InitMethod | None = None, tp_group=None, params_dtype: torch.dtype = torch.float32,
+                 device=None):
+        super().__init__()
+        self._setup(in_channels, out_channels, kernel_size, stride, padding, dilation, tp_group)
+        self.out_channels_per_partition = divide(out_channels, self.tp_world_size, "ColumnParallelConv2d out_channels")
+        self.gather_output = gather_output
+        _init_conv(self, (out_channels, in_channels, *self.kernel_size), 0, bias, True, init_method,
+                   bias_init_method, params_dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+        y = self._conv(x, self.bias)  # [b, out/tp, H', W']
+        if self.gather_output:
+            y = gather_from_tensor_model_parallel_region(y, self.tp_group, dim=1)  # [b, out, H', W']
+        return y
+
+    def extra_repr(self):
+        return (f"{self.in_channels}, {self.out_channels} (local {self.out_channels_per_partition}), "
+                f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}, "
+                f"bias={self.bias is not None}, gather_output={self.gather_output}")
+
+
+class RowParallelConv2d(_ParallelConv2dBase):
+    """Y = sum_i W_i * X_i + b with W split along the input channels: ``weight`` is ``[out, in / tp, kh, kw]``.
+
+    Input: this rank's channels ``[b, in / tp, H, W]`` when ``input_is_parallel`` (the output of a
+    ColumnParallelConv2d, possibly through a ParallelGroupNorm and a pointwise activation), else the full
+    ``[b, in, H, W]``, split here. The partial convolutions are all-reduced (Megatron's ``g``), then the
+    replicated bias is added once. Output: ``[b, out, H', W']``, replicated.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1, *,
+                 bias: bool = True, input_is_parallel: bool = True, init_method: InitMethod = init_method_torch_default,
+                 bias_init_method: InitMethod | None = None, tp_group=None, params_dtype: torch.dtype = torch.float32,
+                 device=None):
+        super().__init__()
+        self._setup(in_channels, out_channels, kernel_size, stride, padding, dilation, tp_group)
+        self.in_channels_per_partition = divide(in_channels, self.tp_world_size, "RowParallelConv2d in_channels")
+        self.input_is_parallel = input_is_parallel
+        _init_conv(self, (out_channels, in_channels, *self.kernel_size), 1, bias, False, init_method,
+                   bias_init_method, params_dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_model_parallel_region(x, self.tp_group, dim=1)  # [b, in/tp, H, W]
+        y = reduce_from_tensor_model_parallel_region(self._conv(x, None), self.tp_group)  # [b, out, H', W']
+        if self.bias is not None:
+            y = y + self.bias.view(1, -1, 1, 1)
+        return y
+
+    def extra_repr(self):
+        return (f"{self.in_channels} (local {self.in_channels_per_partition}), {self.out_channels}, "
+                f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}, "
+                f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}")
+
+
+class ParallelGroupNorm(nn.Module):
+    """``nn.GroupNorm`` over channel-sharded activations ``[b, C/tp, *]``, equal to it on the gathered tensor.
+
+    Group g holds channels ``[g C/G, (g+1) C/G)`` and rank r holds ``[r C/tp, (r+1) C/tp)``; ``weight`` and
+    ``bias`` are split like the channels (partition_dim 0).
+
+    - ``num_groups % tp == 0``: every shard holds whole groups, so the statistics are local (no communication).
+    - otherwise groups straddle shards: each rank sums its channels into a ``[b, num_groups]`` table (zeros for
+      groups it does not touch), the table is all-reduced with a backward all-reduce
+      (``all_reduce_tensor_model_parallel_region``), and each rank reads its channels' rows. Two passes (mean,
+      then the centered second moment), in at least fp32: two all-reduces of ``b * num_groups`` numbers, and no
+      E[x^2] - E[x]^2 cancellation.
+
+    Any layout ``nn.GroupNorm`` and the channel split allow is supported; refused: ``num_channels`` not divisible
+    by ``num_groups`` (nn.GroupNorm's own rule) or by ``tp``.
+    """
+
+    def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True, *, tp_group=None,
+                 params_dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.tp_group = get_tensor_model_parallel_group() if tp_group is None else tp_group
+        self.tp_rank, self.tp_world_size = group_rank_and_size(self.tp_group)
+        tp = self.tp_world_size
+        if num_channels % num_groups:
+            raise ValueError(f"ParallelGroupNorm: norm_num_groups {num_groups} does not divide num_channels "
+                             f"{num_channels}; use one of {_divisors(num_channels)}")
+        if num_channels % tp:
+            raise ValueError(f"ParallelGroupNorm: {num_channels} channels (norm_num_groups {num_groups}) cannot be "
+                             f"sharded over tp {tp}; use a tp in {_divisors(num_channels)}")
+        self.num_groups, self.num_channels, self.eps, self.affine = num_groups, num_channels, eps, affine
+        self.channels_per_group = num_channels // num_groups
+        self.num_channels_per_partition = num_channels // tp
+        self.stats_are_local = num_groups % tp == 0
+        if affine:
+            self.weight = nn.Parameter(torch.ones(self.num_channels_per_partition, dtype=params_dtype, device=device))
+            self.bias = nn.Parameter(torch.zeros(self.num_channels_per_partition, dtype=params_dtype, device=device))
+            set_tensor_model_parallel_attributes(self.weight, 0)
+            set_tensor_model_parallel_attributes(self.bias, 0)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.stats_are_local:
+            return F.group_norm(x, self.num_groups // self.tp_world_size, self.weight, self.bias, self.eps)
+        b, c_local = x.shape[0], x.shape[1]
+        first = self.tp_rank * self.num_channels_per_partition
+        group_of = torch.div(torch.arange(first, first + c_local, device=x.device), self.channels_per_group,
+                             rounding_mode="floor")  # [C/tp]: the group of each local channel
+        xf = x.to(torch.promote_types(x.dtype, torch.float32)).reshape(b, c_local, -1)  # [b, C/tp, n], >= fp32
+        count = self.channels_per_group * xf.shape[-1]
+
+        def group_sum(per_channel):  # [b, C/tp] -> [b, G], summed over every rank's channels
+            table = per_channel.new_zeros(b, self.num_groups).index_add(1, group_of, per_channel)
+            return all_reduce_tensor_model_parallel_region(table, self.tp_group)
+
+        mean = group_sum(xf.sum(-1)) / count  # [b, G]
+        centered = xf - mean[:, group_of, None]  # [b, C/tp, n]
+        var = group_sum(centered.square().sum(-1)) / count  # [b, G], biased like nn.GroupNorm
+        y = (centered * torch.rsqrt(var + self.eps)[:, group_of, None]).to(x.dtype).reshape(x.shape)
+        if self.affine:
+            shape = (1, c_local) + (1,) * (x.dim() - 2)
+            y = y * self.weight.view(shape) + self.bias.view(shape)
+        return y
+
+    def extra_repr(self):
+        return (f"{self.num_groups}, {self.num_channels} (local {self.num_channels_per_partition}), eps={self.eps}, "
+                f"affine={self.affine}, stats_are_local={self.stats_are_local}")
+
+
+class ParallelConvAttention(nn.Module):
+    """Self-attention over the H*W positions of ``[b, C, H, W]``, heads split over TP (a diffusers ``Attention``).
+
+    x -> GroupNorm -> qkv (column-parallel) -> SDPA per local head -> to_out (row-parallel) -> + x
+    -> / rescale_output_factor. Input and output are replicated ``[b, C, H, W]``, like the residual stream of a
+    Megatron transformer: one all-reduce forward (in ``to_out``) and one backward (in ``qkv``). The GroupNorm
+    is a plain replicated ``nn.GroupNorm`` on all C channels, since the column-parallel projection needs the
+    whole normalized input anyway; its parameters get identical gradients on every rank.
+
+    heads = C // attention_head_dim (diffusers' AttnDownBlock2D rule; one head of C when ``None``), inner dim =
+    heads * attention_head_dim; rank r owns heads ``[r heads/tp, (r+1) heads/tp)``.
+
+    ``qkv.weight`` is the full ``[3 inner, C]`` = ``[W_q; W_k; W_v]`` sharded with stride 3, so rank r holds
+    ``[W_q,r; W_k,r; W_v,r]`` (its heads' rows of each). Mapping from diffusers (``Attention(C, heads, dim_head,
+    norm_num_groups, residual_connection=True, bias=True)``), on full tensors:
+
+        group_norm.{weight,bias}    <- group_norm.{weight,bias}
+        qkv.weight                  <- cat([to_q.weight, to_k.weight, to_v.weight], 0)
+        qkv.bias                    <- cat([to_q.bias, to_k.bias, to_v.bias], 0)
+        to_out.{weight,bias}        <- to_out.0.{weight,bias}
+
+    Default init: ``nn.Linear``'s kaiming-uniform on the full weights, zero biases (Megatron); GroupNorm ones/zeros.
+    """
+
+    def __init__(self, channels: int, attention_head_dim: int | None = None, *, norm_num_groups: int = 32,
+                 eps: float = 1e-5, bias: bool = True, rescale_output_factor: float = 1.0,
+                 residual_connection: bool = True, init_method: InitMethod = init_method_torch_default,
+                 output_init_method: InitMethod | None = None, tp_group=None,
+                 params_dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        head_dim = channels if attention_head_dim is None else attention_head_dim
+        if channels % head_dim:
+            raise ValueError(f"ParallelConvAttention: attention_head_dim {head_dim} does not divide channels "
+                             f"{channels}; use one of {_divisors(channels)}")
+        self.tp_group = get_tensor_model_parallel_group() if tp_group is None else tp_group
+        self.tp_rank, self.tp_world_size = group_rank_and_size(self.tp_group)
+        self.channels, self.head_dim, self.num_heads = channels, head_dim, channels // head_dim
+        if self.num_heads % self.tp_world_size:
+            raise ValueError(f"ParallelConvAttention: {self.num_heads} heads ({channels} channels / attention_head_dim "
+                             f"{head_dim}) cannot be split over tp {self.tp_world_size}; use a tp in "
+                             f"{_divisors(self.num_heads)} or a smaller attention_head_dim")
+        self.num_heads_per_partition = self.num_heads // self.tp_world_size
+        self.rescale_output_factor, self.residual_connection = rescale_output_factor, residual_connection
+        inner = self.num_heads * head_dim
+        self.group_norm = nn.GroupNorm(norm_num_groups, channels, eps=eps, affine=True, device=device,
+                                       dtype=params_dtype)
+        self.qkv = ColumnParallelLinear(channels, 3 * inner, bias=bias, init_method=init_method, stride=3,
+                                        tp_group=self.tp_group, params_dtype=params_dtype, device=device)
+        self.to_out = RowParallelLinear(inner, channels, bias=bias, input_is_parallel=True,
+                                        init_method=output_init_method or init_method, tp_group=self.tp_group,
+                                        params_dtype=params_dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        hidden = self.group_norm(x).view(b, c, h * w).transpose(1, 2)  # [b, HW, C]
+        qkv = self.qkv(hidden)  # [b, HW, 3 * nh_local * d]
+        qkv = qkv.view(b, h * w, 3, self.num_heads_per_partition, self.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each [b, nh_local, HW, d]
+        out = F.scaled_dot_product_attention(q, k, v)  # [b, nh_local, HW, d], scale 1/sqrt(d)
+        out = out.transpose(1, 2).reshape(b, h * w, self.num_heads_per_partition * self.head_dim)  # [b, HW, nh_local*d]
+        out = self.to_out(out).transpose(1, 2).reshape(b, c, h, w)  # [b, C, H, W], summed over TP
+        if self.residual_connection:
+            out = out + x
+        return out / self.rescale_output_factor
+
+    def extra_repr(self):
+        return (f"channels={self.channels}, heads={self.num_heads} (local {self.num_heads_per_partition}), "
+                f"head_dim={self.head_dim}, residual={self.residual_connection}, "
+                f"rescale_output_factor={self.rescale_output_factor}")

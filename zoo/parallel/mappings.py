@@ -9,7 +9,8 @@ A group of size one (or ``None`` outside torch.distributed) returns the input un
 unchanged in one process. ``group=None`` means the TP group of the current grid.
 
 Notation: activations are batch-first ``[b, s, h]``; tensor parallelism splits the last dimension, sequence
-parallelism splits ``s`` (dimension 1).
+parallelism splits ``s`` (dimension 1). Convolutions keep channels on dimension 1 (``[b, C, H, W]``), so the
+scatter and gather take ``dim`` (default: the last).
 """
 
 import torch
@@ -90,26 +91,37 @@ class _ReduceFromModelParallelRegion(torch.autograd.Function):
         return grad, None
 
 
-class _ScatterToModelParallelRegion(torch.autograd.Function):
+class _AllReduceModelParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _split(x, -1, group)
+        return _all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, -1, ctx.group), None
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ScatterToModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim=-1):
+        ctx.group, ctx.dim = group, dim
+        return _split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
 
 
 class _GatherFromModelParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather(x, -1, group)
+    def forward(ctx, x, group, dim=-1):
+        ctx.group, ctx.dim = group, dim
+        return _all_gather(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _split(grad, -1, ctx.group), None
+        return _split(grad, ctx.dim, ctx.group), None, None
 
 
 class _ScatterToSequenceParallelRegion(torch.autograd.Function):
@@ -165,20 +177,34 @@ def reduce_from_tensor_model_parallel_region(x, group=None):
     return _ReduceFromModelParallelRegion.apply(x, group)
 
 
-def scatter_to_tensor_model_parallel_region(x, group=None):
-    """Forward: keep this rank's chunk of the last dimension. Backward: all-gather along the last dimension."""
+def all_reduce_tensor_model_parallel_region(x, group=None):
+    """Forward: all-reduce (sum) over the TP group. Backward: all-reduce (sum) the gradient.
+
+    For a sum over shards that every rank then uses on its *own* shard, e.g. the per-group statistics of a
+    channel-sharded GroupNorm: each rank's copy feeds a different part of the loss, so the gradient of every
+    rank's partial sum is the sum of all copies' gradients. (``reduce_from_...`` has an identity backward
+    because its consumer is replicated and every rank already holds the whole gradient.)
+    """
     group = _resolve(group)
     if group_rank_and_size(group)[1] == 1:
         return x
-    return _ScatterToModelParallelRegion.apply(x, group)
+    return _AllReduceModelParallelRegion.apply(x, group)
 
 
-def gather_from_tensor_model_parallel_region(x, group=None):
-    """Forward: all-gather along the last dimension. Backward: keep this rank's chunk of the gradient."""
+def scatter_to_tensor_model_parallel_region(x, group=None, dim=-1):
+    """Forward: keep this rank's chunk of dimension ``dim`` (default the last). Backward: all-gather along it."""
     group = _resolve(group)
     if group_rank_and_size(group)[1] == 1:
         return x
-    return _GatherFromModelParallelRegion.apply(x, group)
+    return _ScatterToModelParallelRegion.apply(x, group, dim)
+
+
+def gather_from_tensor_model_parallel_region(x, group=None, dim=-1):
+    """Forward: all-gather along dimension ``dim`` (default the last). Backward: keep this rank's chunk of it."""
+    group = _resolve(group)
+    if group_rank_and_size(group)[1] == 1:
+        return x
+    return _GatherFromModelParallelRegion.apply(x, group, dim)
 
 
 def scatter_to_sequence_parallel_region(x, group=None):
