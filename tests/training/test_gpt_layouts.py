@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = {"gpt2": ROOT / "configs/gpt/tiny.yaml", "llama": ROOT / "configs/gpt/tiny-llama.yaml"}
 STEPS = 5
 COMMON = [f"training.steps={STEPS}", "training.micro_batch_size=2", "training.global_batch_size=8",
-          "training.seq_length=32", "training.lr=3e-3", "training.warmup_steps=1"]
+          "training.seq_length=32", "training.lr=3e-3", "training.warmup_steps=1", "data.source=synthetic",
+          "training.save=false", "training.eval_interval=0", "training.log_interval=1", "parallel.zero_stage=0"]
 
 
 def train_case(model, overrides, out):

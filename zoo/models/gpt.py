@@ -229,18 +229,91 @@ def rope_inv_freq(config: GPTConfig) -> torch.Tensor:
     return torch.where(wavelen < old_len / high, inv_freq, out).float()
 
 
+_ROPE_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def rope_table(config: GPTConfig, length: int, device, dtype: torch.dtype):
+    """cos, sin of shape ``[n, d]`` for positions ``0 .. n-1``, ``n = max(length, max_position_embeddings)`` (the d/2
+    frequencies repeated, rotate-half layout as in HF Llama).
+
+    Computed once per (frequencies, n, device, dtype) and shared by every layer, instead of once per layer and step.
+    Built outside inference mode, so a table first made during generation can still be saved for backward later.
+    """
+    n = max(length, config.max_position_embeddings)
+    scaling = None if config.rope_scaling is None else tuple(sorted(config.rope_scaling.items()))
+    key = (config.head_dim, config.rope_theta, scaling, n, torch.device(device), dtype)
+    table = _ROPE_TABLES.get(key)
+    if table is None:
+        with torch.inference_mode(False), torch.no_grad():
+            inv_freq = rope_inv_freq(config).to(device)
+            freqs = torch.outer(torch.arange(n, device=device).float(), inv_freq)  # [n, d/2]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [n, d]
+            table = emb.cos().to(dtype), emb.sin().to(dtype)
+        if len(_ROPE_TABLES) >= 16:  # a handful of (device, dtype) pairs in practice; never grow without bound
+            _ROPE_TABLES.clear()
+        _ROPE_TABLES[key] = table
+    return table
+
+
 def rope_cos_sin(config: GPTConfig, positions: torch.Tensor, dtype: torch.dtype):
-    """cos, sin of shape ``[s, d]`` (the d/2 frequencies repeated, rotate-half layout as in HF Llama)."""
-    inv_freq = rope_inv_freq(config).to(positions.device)
-    freqs = torch.outer(positions.float(), inv_freq)  # [s, d/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [s, d]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    """cos, sin of shape ``[*positions.shape, d]``, looked up in :func:`rope_table`."""
+    cos, sin = rope_table(config, int(positions.max()) + 1 if positions.numel() else 0, positions.device, dtype)
+    return cos[positions], sin[positions]
 
 
 def apply_rope(x, cos, sin):
-    """x: [b, n, s, d]. Rotates pairs (x_i, x_{i+d/2}) by the position's angle."""
+    """x: [b, n, s, d]; cos, sin: [s, d] or [b, 1, s, d]. Rotates pairs (x_i, x_{i+d/2}) by the position's angle."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class KVCache:
+    """One block's keys and values for incremental decoding, preallocated for ``max_len`` positions.
+
+    A forward with the cache computes keys and values for its s new positions only, writes them at
+    ``[length, length + s)`` and attends to ``[0, length + s)``: the prompt is one forward (s = prompt length), each
+    decoding step one more (s = 1). Rows may be left-padded: the first ``pad[i]`` positions of row i are padding,
+    masked out as keys, and row i's positions count from its first real token, so a padded row computes what it
+    would alone. Inference only: tensors are written in place, nothing is kept for backward.
+    """
+
+    def __init__(self, batch: int, num_heads: int, max_len: int, head_dim: int, *, dtype: torch.dtype, device,
+                 pad: torch.Tensor | None = None):
+        # [b, nkv_local, max_len, d]
+        self.k = torch.zeros(batch, num_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.max_len = max_len
+        self.length = 0
+        self.pad = pad  # [b] number of leading padding positions per row, or None
+
+    def positions(self, s: int, device) -> torch.Tensor:
+        """Positions of the next s tokens: ``[s]``, or ``[b, s]`` with padding (clamped at 0 on the padding)."""
+        pos = torch.arange(self.length, self.length + s, device=device)
+        return pos if self.pad is None else (pos - self.pad[:, None]).clamp(min=0)
+
+    def attention_mask(self, s: int, device) -> torch.Tensor | None:
+        """Boolean mask of the next s queries over all ``length + s`` keys, True = attend: ``[s, t]`` or
+        ``[b, 1, s, t]``. None where no mask is needed: no past (plain causal) or a single query (sees all)."""
+        if self.pad is None and (self.length == 0 or s == 1):
+            return None
+        query = torch.arange(self.length, self.length + s, device=device)[:, None]  # [s, 1]
+        key = torch.arange(self.length + s, device=device)  # [t]
+        allowed = key <= query  # [s, t]: causal within the new tokens, all past ones visible
+        if self.pad is None:
+            return allowed
+        real = key >= self.pad[:, None, None]  # [b, 1, t]
+        # A padding query still sees itself: a row with no key would give NaN, and NaN times a zero weight is NaN.
+        return ((allowed & real) | (key == query))[:, None]  # [b, 1, s, t]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``[b, nkv_local, s, d]`` keys/values after the past ones; return all ``[b, nkv_local, length, d]``."""
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache full: {end} positions needed, {self.max_len} allocated")
+        self.k[:, :, self.length:end] = k
+        self.v[:, :, self.length:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
 
 
 class GPTAttention(nn.Module):
@@ -248,6 +321,9 @@ class GPTAttention(nn.Module):
 
     The fused QKV weight is laid out per key-value group: ``[q (nq/nkv heads), k, v]`` for each of the nkv groups,
     so a contiguous TP split hands each rank whole groups (tp must divide nkv), as in Megatron.
+
+    Training calls ``forward(x)``. Generation passes a :class:`KVCache`, or attaches one as ``self.kv_cache``
+    (the block calls ``attention(x)`` unchanged); the training path only checks that it is None.
     """
 
     def __init__(self, config: GPTConfig, par: ParallelOptions, output_init):
@@ -264,21 +340,49 @@ class GPTAttention(nn.Module):
         self.num_groups_local = divide(nkv, tp, "num_key_value_heads")
         self.q_per_group = nq // nkv
         self.head_dim = d
+        self.sequence_parallel = par.sequence_parallel
+        self.kv_cache: KVCache | None = None  # set by the generator for the duration of a generation
 
-    def forward(self, x):
+    def forward(self, x, kv_cache: KVCache | None = None):
+        kv_cache = self.kv_cache if kv_cache is None else kv_cache
+        if kv_cache is not None and self.sequence_parallel:
+            raise ValueError("the KV cache is for generation, which runs without sequence parallelism; build the "
+                             "model with ParallelOptions(sequence_parallel=False)")
         qkv = self.qkv(x)  # [b, s, g_local * (q_per_group + 2) * d]
         b, s, _ = qkv.shape
         qkv = qkv.view(b, s, self.num_groups_local, self.q_per_group + 2, self.head_dim)
         q = qkv[:, :, :, : self.q_per_group].reshape(b, s, -1, self.head_dim).transpose(1, 2)  # [b, nq_local, s, d]
         k = qkv[:, :, :, self.q_per_group].transpose(1, 2)  # [b, nkv_local, s, d]
         v = qkv[:, :, :, self.q_per_group + 1].transpose(1, 2)
+        if kv_cache is not None:
+            return self._forward_cached(q, k, v, kv_cache)
         if self.config.position_embedding_type == "rope":
-            cos, sin = rope_cos_sin(self.config, torch.arange(s, device=x.device), q.dtype)
+            cos, sin = rope_table(self.config, s, x.device, q.dtype)
+            cos, sin = cos[:s], sin[:s]  # [s, d]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         p = self.config.attention_dropout if self.training else 0.0
         with tensor_parallel_rng():  # heads are sharded: each rank draws its own heads' masks
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
                                                  enable_gqa=self.q_per_group > 1)  # [b, nq_local, s, d]
+        out = out.transpose(1, 2).reshape(b, s, -1)  # [b, s, nq_local * d]
+        return self.dense(out)
+
+    def _forward_cached(self, q, k, v, cache: KVCache):
+        """q: [b, nq_local, s, d], k, v: [b, nkv_local, s, d] for the s new positions; attends to the past too."""
+        b, _, s, _ = q.shape
+        past = cache.length
+        if self.config.position_embedding_type == "rope":
+            pos = cache.positions(s, q.device)  # [s] or [b, s]
+            cos, sin = rope_table(self.config, past + s, q.device, q.dtype)
+            cos, sin = cos[pos], sin[pos]  # [s, d] or [b, s, d]
+            if pos.dim() == 2:
+                cos, sin = cos[:, None], sin[:, None]  # [b, 1, s, d]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        mask = cache.attention_mask(s, q.device)
+        k, v = cache.append(k, v)  # [b, nkv_local, past + s, d]
+        # No mask: an empty cache is plain causal attention (square), a single query sees every key.
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and past == 0,
+                                             enable_gqa=self.q_per_group > 1)  # [b, nq_local, s, d]
         out = out.transpose(1, 2).reshape(b, s, -1)  # [b, s, nq_local * d]
         return self.dense(out)
 
@@ -330,6 +434,7 @@ class GPTEmbedding(nn.Module):
         self.word_embeddings = VocabParallelEmbedding(config.padded_vocab_size(tp), config.hidden_size,
                                                       init_method=init_method_normal(config.initializer_range),
                                                       tp_group=par.tp_group)
+        self.word_embeddings.weight.unpadded_size = config.vocab_size  # rows past it are padding (zoo.convert.io)
         if config.position_embedding_type == "learned":
             self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
             init_method_normal(config.initializer_range)(self.position_embeddings.weight.data)
@@ -340,13 +445,20 @@ class GPTEmbedding(nn.Module):
     def word_embeddings_weight(self):  # TiedLayerSpec fetches the shared weight with getattr
         return self.word_embeddings.weight
 
-    def forward(self, ids):
+    def forward(self, ids, position_ids=None):
+        """``position_ids`` (``[s]`` or ``[b, s]``; default ``0 .. s-1``) lets generation continue after cached
+        positions; training passes ids alone."""
         s = ids.shape[1]
-        if s > self.config.max_position_embeddings:
-            raise ValueError(f"sequence length {s} exceeds max_position_embeddings {self.config.max_position_embeddings}")
+        if position_ids is None:
+            if s > self.config.max_position_embeddings:
+                raise ValueError(f"sequence length {s} exceeds max_position_embeddings "
+                                 f"{self.config.max_position_embeddings}")
+            position_ids = torch.arange(s, device=ids.device)
+        elif self.par.sequence_parallel:
+            raise ValueError("position_ids are for generation, which runs without sequence parallelism")
         x = self.word_embeddings(ids)  # [b, s, h]
         if self.position_embeddings is not None:
-            x = x + self.position_embeddings(torch.arange(s, device=ids.device))
+            x = x + self.position_embeddings(position_ids)  # [s, h] or [b, s, h]
         if self.par.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, self.par.tp_group)  # [b, s/tp, h]
         return _dropout(x, self.config.hidden_dropout, self.training, self.par.sequence_parallel)
@@ -375,6 +487,7 @@ class GPTLMHead(nn.Module):
         self.linear = ColumnParallelLinear(config.hidden_size, config.padded_vocab_size(tp), bias=False,
                                            init_method=init_method_normal(config.initializer_range),
                                            sequence_parallel=par.sequence_parallel, tp_group=par.tp_group)
+        self.linear.weight.unpadded_size = config.vocab_size
 
     def forward(self, hidden):
         return self.linear(hidden)

@@ -74,11 +74,22 @@ class TrainingSection:
     grad_clip: float = 1.0
     precision: str = "fp32"  # "fp32" | "bf16" | "fp16"
     log_interval: int = 1
+    eval_interval: int = 0  # evaluate on the validation split every N steps (and before step 1, and at the end); 0: never
+    eval_iters: int = 4  # global batches per evaluation (always the same held-out samples)
+    save_interval: int = 0  # checkpoint every N steps; the end of the run is always saved; 0: only at the end
+    keep_last: int = 0  # keep only the newest N checkpoints; 0: keep all
+    save: bool = True  # false: no checkpoints and no exported model (quick experiments, tests)
 
 
 @dataclass
 class DataSection:
-    source: str = "synthetic"
+    source: str = "embedded"  # "embedded" (the pydoc corpus, nothing to download) | "indexed" | "synthetic"
+    paths: list | None = None  # indexed: Megatron's --data-path, [prefix, ...] or [weight, prefix, weight, prefix, ...]
+    valid_paths: list | None = None  # indexed: validation prefixes; default: valid_fraction of each dataset's documents
+    valid_fraction: float = 0.05
+    tokenizer: str | None = None  # HF tokenizer folder (for samples and the exported model); embedded: trained
+    tokenizer_vocab_size: int | None = None  # embedded: BPE vocabulary to train; default model.vocab_size
+    cache_dir: str = "~/.cache/zoo"  # where the embedded corpus is tokenized once
 
 
 @dataclass
@@ -126,10 +137,15 @@ def _typed(section: str, f: dataclasses.Field, value: Any) -> Any:
             return value
         if kind == "str" and isinstance(value, str):
             return value
+        if kind == "list":
+            if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+                return [value]  # --set data.paths=data/corpus: one prefix
+            if isinstance(value, list):
+                return value
     except ValueError:
         pass
     else:
-        if kind not in ("float", "int", "bool", "str"):
+        if kind not in ("float", "int", "bool", "str", "list"):
             return value
     raise ConfigError(f"{section}.{f.name} must be {'an' if kind == 'int' else 'a'} {kind}, got {value!r}")
 
@@ -254,9 +270,60 @@ def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = N
         if not supported[tr.precision]:
             raise ConfigError(f"{tr.precision} is not supported on this device ({accel.device_name()}); "
                               f"use training.precision: {'bf16' if supported['bf16'] else 'fp32'}")
-    if cfg.data.source != "synthetic":
-        raise ConfigError(f"data.source {cfg.data.source!r} is not available; supported: ['synthetic']")
+    if tr.eval_interval and tr.eval_iters < 1:
+        raise ConfigError(f"training.eval_iters must be >= 1 when eval_interval is set, got {tr.eval_iters}")
+    for name in ("eval_interval", "save_interval", "keep_last"):
+        if getattr(tr, name) < 0:
+            raise ConfigError(f"training.{name} must be >= 0, got {getattr(tr, name)}")
+    validate_data(cfg, model)
     return model
+
+
+SOURCES = ("embedded", "indexed", "synthetic")
+
+
+def validate_data(cfg: RunConfig, model: GPTConfig) -> None:
+    """Data problems found by opening files (cheap: indexes are memory-mapped), before any process group."""
+    data = cfg.data
+    if data.source not in SOURCES:
+        raise ConfigError(f"data.source {data.source!r} is not available; supported: {list(SOURCES)}")
+    if not 0.0 <= data.valid_fraction < 1.0:
+        raise ConfigError(f"data.valid_fraction must be in [0, 1), got {data.valid_fraction}")
+    if data.source == "indexed":
+        if not data.paths:
+            raise ConfigError("data.source indexed needs data.paths (prefixes of .bin/.idx files written by "
+                              "launch/preprocess.py), e.g. --set data.paths=[data/my-corpus]")
+        from zoo.data.gpt_dataset import parse_blend
+        from zoo.data.indexed import IndexedDataset
+
+        try:
+            prefixes = parse_blend([str(p) for p in data.paths])[1]
+            prefixes += parse_blend([str(p) for p in data.valid_paths])[1] if data.valid_paths else []
+            for prefix in prefixes:
+                ds = IndexedDataset(prefix)
+                if len(ds) == 0 or int(ds.sizes.sum()) == 0:
+                    raise ValueError(f"{prefix}.bin/.idx holds no tokens; preprocess a non-empty input with "
+                                     f"launch/preprocess.py")
+        except ValueError as e:
+            raise ConfigError(f"data: {e}") from None
+    if data.tokenizer is not None:
+        from zoo.data.tokenizer import load_tokenizer
+
+        try:
+            n = len(load_tokenizer(data.tokenizer))
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"data.tokenizer: {e}") from None
+        if n > model.vocab_size:
+            raise ConfigError(f"tokenizer {data.tokenizer} has {n} tokens but the model's vocab_size is "
+                              f"{model.vocab_size}; set model.vocab_size >= {n} (e.g. --set model.vocab_size={n})")
+    if data.source == "embedded":
+        n = data.tokenizer_vocab_size or model.vocab_size
+        if n > model.vocab_size:
+            raise ConfigError(f"data.tokenizer_vocab_size {n} exceeds the model's vocab_size {model.vocab_size}; "
+                              f"lower it or raise model.vocab_size")
+        if n < 257:
+            raise ConfigError(f"a byte-level BPE needs at least 257 tokens, got vocabulary {n}; "
+                              f"set model.vocab_size (or data.tokenizer_vocab_size) >= 257")
 
 
 def deepspeed_config(cfg: RunConfig) -> dict:

@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -48,7 +49,7 @@ def lr_factor(step: int, *, steps: int, warmup_steps: int, min_ratio: float) -> 
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_engine(cfg: RunConfig, model_cfg, grid):
+def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False):
     import deepspeed
 
     from zoo.models.gpt import CHECKPOINTABLE_LAYERS, GPTLoss, ParallelOptions, layer_specs
@@ -71,8 +72,11 @@ def build_engine(cfg: RunConfig, model_cfg, grid):
         mpu = grid
     model_parallel_seed(tr.seed, grid.tp_rank)  # dropout streams, independent of how many layers this rank built
     schedule = partial(lr_factor, steps=tr.steps, warmup_steps=tr.warmup_steps, min_ratio=tr.min_lr / tr.lr)
+    ds_config = deepspeed_config(cfg)
+    if universal:  # resuming a checkpoint saved in another layout (zoo.training.checkpoint)
+        ds_config["checkpoint"] = {"load_universal": True}
     engine, *_ = deepspeed.initialize(model=module, model_parameters=param_groups(module, tr.weight_decay),
-                                      config=deepspeed_config(cfg), mpu=mpu,
+                                      config=ds_config, mpu=mpu,
                                       lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
     if par.zero_stage == 0 and tr.precision == "fp32" and tr.grad_clip > 0:
         # DeepSpeed's fp32 clipping miscounts pipeline stages > 0 (see zoo.parallel.grad_norm).
@@ -84,51 +88,217 @@ def build_engine(cfg: RunConfig, model_cfg, grid):
 
 
 class MetricsWriter:
-    """One JSON object per line in ``out/metrics.jsonl``, written by global rank 0 only."""
+    """One JSON object per line in ``out/metrics.jsonl`` (and TensorBoard scalars in ``out/tb``), global rank 0 only.
 
-    def __init__(self, out: Path, enabled: bool):
-        self.enabled = enabled
-        if enabled:
-            out.mkdir(parents=True, exist_ok=True)
-            self.f = open(out / "metrics.jsonl", "w")
+    Resuming at step N keeps the records up to N and appends after them, so the file always tells one history.
+    """
 
-    def write(self, record: dict) -> None:
-        if self.enabled:
-            self.f.write(json.dumps(record) + "\n")
-            self.f.flush()
+    def __init__(self, out: Path, enabled: bool, resume_step: int | None = None, tensorboard: bool = True):
+        self.enabled, self.path, self.tb = enabled, out / "metrics.jsonl", None
+        self.records: list[dict] = []
+        if not enabled:
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None and self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue  # a line cut by a kill
+                if record.get("step", 0) <= resume_step:
+                    self.records.append(record)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+        os.replace(tmp, self.path)
+        self.f = open(self.path, "a")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard not installed: metrics.jsonl still has everything
+                pass
+            else:
+                self.tb = SummaryWriter(str(out / "tb"), purge_step=None if resume_step is None else resume_step + 1)
+
+    def write(self, record: dict, prefix: str = "train") -> None:
+        if not self.enabled:
+            return
+        self.records.append(record)
+        self.f.write(json.dumps(record) + "\n")
+        self.f.flush()
+        if self.tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and value is not None:
+                    self.tb.add_scalar(f"{prefix}/{key}", value, record["step"])
 
     def close(self):
         if self.enabled:
             self.f.close()
+            if self.tb is not None:
+                self.tb.close()
 
 
-def train(cfg: RunConfig, model_cfg, grid, log=print) -> list[float]:
-    """Run ``cfg.training.steps`` steps; returns the per-step losses (on every rank)."""
+def plot_losses(records: list[dict], path: Path) -> Path | None:
+    """The loss curve (training per step, validation per evaluation) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    valid = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    if not train and not valid:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    if train:
+        ax.plot(*zip(*train), label="train", linewidth=1)
+    if valid:
+        ax.plot(*zip(*valid), "o-", label="validation", linewidth=1.5, markersize=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross entropy (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+@dataclass
+class Data:
+    train: object
+    valid: object | None
+    tokenizer_dir: str | None
+
+
+def build_data(cfg: RunConfig, model_cfg, grid) -> Data:
+    """The training and validation datasets; the embedded corpus is prepared once, by global rank 0."""
+    from zoo.data.synthetic import SyntheticTokens
+    from zoo.parallel.shards import barrier
+
+    data, tr = cfg.data, cfg.training
+    if data.source == "synthetic":
+        return Data(SyntheticTokens(model_cfg.vocab_size, tr.seq_length, seed=tr.seed),
+                    SyntheticTokens(model_cfg.vocab_size, tr.seq_length, seed=tr.seed + 1), data.tokenizer)
+    from zoo.data.gpt_dataset import build_gpt_datasets, prepare_embedded_corpus
+
+    tokenizer, paths = data.tokenizer, data.paths
+    if data.source == "embedded":
+        cache = Path(os.path.expanduser(data.cache_dir))
+        vocab = data.tokenizer_vocab_size or model_cfg.vocab_size
+        if grid.rank == 0:
+            prepare_embedded_corpus(cache, vocab)
+        barrier()
+        prepared = prepare_embedded_corpus(cache, vocab)  # finished files exist now: just reads the marker
+        tokenizer, paths = tokenizer or prepared["tokenizer"], [prepared["prefix"]]
+    train, valid = build_gpt_datasets([str(p) for p in paths], tr.seq_length, tr.seed,
+                                      valid_fraction=data.valid_fraction,
+                                      valid_paths=[str(p) for p in data.valid_paths] if data.valid_paths else None)
+    return Data(train, valid, tokenizer)
+
+
+def evaluate(engine, loss_fn, cfg: RunConfig, grid, dataset, device) -> float:
+    """Mean loss over ``eval_iters`` global batches of the validation set (the same samples every time)."""
+    from zoo.data.synthetic import micro_batch
+
+    tr, gas = cfg.training, cfg.gradient_accumulation_steps
+    total = 0.0
+    for it in range(tr.eval_iters):
+        batches = [tuple(t.to(device) for t in micro_batch(dataset, it, m, micro_batch_size=tr.micro_batch_size,
+                                                            accumulation=gas, dp_rank=grid.dp_rank, dp=grid.dp))
+                   for m in range(gas)]
+        if grid.pp > 1:
+            total += float(engine.eval_batch(data_iter=iter(batches)))  # averaged over micro-batches and DP
+            continue
+        engine.eval()
+        with torch.no_grad():
+            loss = sum(loss_fn(engine(ids), labels).float() for ids, labels in batches) / gas
+        engine.train()
+        if grid.dp > 1:
+            dist.all_reduce(loss, group=grid.dp_group)
+            loss /= grid.dp
+        total += float(loss)
+    return total / tr.eval_iters
+
+
+@dataclass
+class RunResult:
+    losses: list  # training loss of each step run here (on every rank)
+    val_losses: list  # (step, val_loss) of each evaluation
+    start_step: int
+    engine: object = None
+
+
+def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal: bool = False,
+          data: Data | None = None, keep_engine: bool = False, progress: bool = False) -> list[float] | RunResult:
+    """Run from step 0 (or the checkpoint ``resume``) to ``cfg.training.steps``.
+
+    Returns the per-step losses (on every rank), or a ``RunResult`` with the engine still alive when
+    ``keep_engine`` (the caller exports the model and calls ``engine.destroy()``).
+    """
     from deepspeed.accelerator import get_accelerator
 
-    from zoo.data.synthetic import SyntheticTokens, micro_batch
+    from zoo.data.synthetic import micro_batch
+    from zoo.training import checkpoint as ckpt
     from zoo.training.metrics import device_name, peak_memory_gb, peak_tflops, training_flops_per_token
 
     tr = cfg.training
-    engine, loss_fn = build_engine(cfg, model_cfg, grid)
+    out = Path(cfg.out)
+    data = data or build_data(cfg, model_cfg, grid)
+    engine, loss_fn = build_engine(cfg, model_cfg, grid, universal=resume is not None and universal)
     device = get_accelerator().current_device_name()
-    dataset = SyntheticTokens(model_cfg.vocab_size, tr.seq_length, seed=tr.seed)
     gas = cfg.gradient_accumulation_steps
+    start = 0
+    if resume is not None:
+        ckpt.load_checkpoint(engine, resume, universal=universal)
+        start = resume.step
+        if grid.rank == 0:
+            how = " (universal checkpoint: new layout)" if universal else ""
+            log(f"resumed from {resume.root / resume.tag} at step {start}{how}")
 
     def batches(step):
         for m in range(gas):
-            ids, labels = micro_batch(dataset, step, m, micro_batch_size=tr.micro_batch_size, accumulation=gas,
+            ids, labels = micro_batch(data.train, step, m, micro_batch_size=tr.micro_batch_size, accumulation=gas,
                                       dp_rank=grid.dp_rank, dp=grid.dp)
             yield ids.to(device), labels.to(device)
 
-    out = Path(cfg.out)
-    metrics = MetricsWriter(out, grid.rank == 0)
+    metrics = MetricsWriter(out, grid.rank == 0, resume_step=start if resume is not None else None)
+    meta = {"layout": {"tp": grid.tp, "pp": grid.pp, "dp": grid.dp, "zero_stage": cfg.parallel.zero_stage},
+            "global_batch_size": cfg.global_batch_size, "seq_length": tr.seq_length,
+            "model": model_cfg.to_dict(), "tokenizer": data.tokenizer_dir}
+
+    def save(step):
+        client_state = {"iteration": step, "universal_checkpoint_info": ckpt.universal_checkpoint_info(model_cfg)}
+        path = ckpt.save_checkpoint(engine, out / ckpt.CHECKPOINTS, step, meta, client_state,
+                                    keep_last=tr.keep_last or None)
+        if grid.rank == 0:
+            log(f"saved checkpoint {path}")
+
+    val_losses = []
+
+    def run_eval(step):
+        if data.valid is None or not tr.eval_interval:
+            return
+        val = evaluate(engine, loss_fn, cfg, grid, data.valid, device)
+        val_losses.append((step, val))
+        metrics.write({"step": step, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))}, prefix="val")
+        if grid.rank == 0:
+            log(f"step {step}/{tr.steps} | validation loss {val:.4f} | perplexity {math.exp(min(val, 50.0)):.2f}")
+
     tokens_per_step = cfg.global_batch_size * tr.seq_length
     flops_per_step = tokens_per_step * training_flops_per_token(model_cfg, tr.seq_length,
                                                                 cfg.parallel.activation_checkpointing)
     peak = peak_tflops(device_name(), tr.precision)
-    losses, start = [], time.perf_counter()
-    for step in range(tr.steps):
+    losses, t_start = [], time.perf_counter()
+    bar = None
+    if progress and grid.rank == 0 and start < tr.steps:
+        from tqdm import tqdm
+
+        bar = tqdm(total=tr.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr,
+                   mininterval=1.0)
+        log = bar.write
+    if start == 0:
+        run_eval(0)
+    for step in range(start, tr.steps):
         t0 = time.perf_counter()
         lr = engine.get_lr()[0]  # the rate this step uses
         if grid.pp > 1:
@@ -155,12 +325,26 @@ def train(cfg: RunConfig, model_cfg, grid, log=print) -> list[float]:
                   "mfu": None if peak is None else tflops / peak, "peak_memory_gb": peak_memory_gb(),
                   "step_time_s": dt}
         metrics.write(record)
-        if grid.rank == 0 and ((step + 1) % tr.log_interval == 0 or step + 1 == tr.steps):
-            elapsed = time.perf_counter() - start
-            eta = elapsed / (step + 1) * (tr.steps - step - 1)
-            log(f"step {step + 1}/{tr.steps} | loss {loss:.4f} | lr {record['lr']:.2e} | "
+        done = step + 1
+        if bar is not None:
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+            bar.update(1)
+        if grid.rank == 0 and (done % tr.log_interval == 0 or done == tr.steps):
+            elapsed = time.perf_counter() - t_start
+            eta = elapsed / (done - start) * (tr.steps - done)
+            log(f"step {done}/{tr.steps} | loss {loss:.4f} | lr {record['lr']:.2e} | "
                 f"{record['tokens_per_s']:.0f} tok/s | {tflops:.3f} TFLOP/s/device | ETA {eta:.0f}s")
+        if tr.eval_interval and (done % tr.eval_interval == 0 or done == tr.steps):
+            run_eval(done)
+        if tr.save and ((tr.save_interval and done % tr.save_interval == 0) or done == tr.steps):
+            save(done)
+    if bar is not None:
+        bar.close()
     metrics.close()
+    if grid.rank == 0 and metrics.records:
+        plot_losses(metrics.records, out / "loss.png")
+    if keep_engine:
+        return RunResult(losses, val_losses, start, engine)
     engine.destroy()  # frees DeepSpeed's hooks and buffers; tests train many engines in one process
     return losses
 
@@ -169,13 +353,24 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(
         prog="launch/train.py",
         description="Train a zoo model. Works in one process, under torchrun and under the deepspeed launcher; "
-                    "data parallelism is world_size / (tp x pp).")
+                    "data parallelism is world_size / (tp x pp). With no arguments: the tiny GPT on the embedded "
+                    "corpus (Python's own help texts), about 5 minutes on 2 CPU cores.")
     p.add_argument("--config", help=f"run config YAML (default: {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])})")
     p.add_argument("--tp", type=int, help="tensor-parallel size")
     p.add_argument("--pp", type=int, help="pipeline-parallel size")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (pp > 1 allows 0 or 1)")
-    p.add_argument("--steps", type=int, help="number of optimizer steps")
-    p.add_argument("--out", help="output folder (metrics.jsonl)")
+    p.add_argument("--steps", type=int, help="number of optimizer steps (the run's total, also when resuming)")
+    p.add_argument("--eval-interval", type=int, metavar="N",
+                   help="validation loss every N steps (also before step 1 and at the end); 0: never")
+    p.add_argument("--save-interval", type=int, metavar="N",
+                   help="checkpoint every N steps into OUT/checkpoints (the last step is always saved)")
+    p.add_argument("--out", help="output folder: config.yaml, metrics.jsonl, tb/, loss.png, checkpoints/, model/")
+    p.add_argument("--load", metavar="DIR",
+                   help="resume from a run folder (or its checkpoints/ folder): model, optimizer, LR schedule, step, "
+                        "RNG and data position; another tp/pp/dp goes through DeepSpeed's universal checkpoint. "
+                        "Without --load, a run resumes from OUT/checkpoints when that exists")
+    p.add_argument("--load-step", type=int, metavar="N", help="with --load: that step instead of the latest")
+    p.add_argument("--no-sample", action="store_true", help="skip the sample printed at the end")
     p.add_argument("--set", nargs="+", action="extend", default=[], metavar="SECTION.KEY=VALUE",
                    help="override any config field, e.g. --set training.lr=3e-4 model.num_hidden_layers=8")
     args, _unknown = p.parse_known_args(argv)  # the deepspeed launcher adds --local_rank=N
@@ -185,15 +380,79 @@ def parse_args(argv=None):
 def config_from_args(args) -> RunConfig:
     overrides = list(args.set)
     for flag, key in (("tp", "parallel.tp"), ("pp", "parallel.pp"), ("zero", "parallel.zero_stage"),
-                      ("steps", "training.steps"), ("out", "out")):
+                      ("steps", "training.steps"), ("eval_interval", "training.eval_interval"),
+                      ("save_interval", "training.save_interval"), ("out", "out")):
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{key}={value}")
     return load(args.config or DEFAULT_CONFIG, overrides)
 
 
+def resume_plan(cfg: RunConfig, model_cfg, args):
+    """Which checkpoint to resume (None: start fresh) and whether it needs the universal path; checked before any
+    process group so a wrong --load costs nothing and touches nothing."""
+    from zoo.training import checkpoint as ckpt
+
+    if args.load is None and args.load_step is not None:
+        raise ConfigError("--load-step needs --load DIR")
+    if args.load is not None:
+        found = ckpt.find_checkpoint(args.load, args.load_step)
+    elif cfg.training.save and ckpt.read_latest(Path(cfg.out) / ckpt.CHECKPOINTS) is not None:
+        found = ckpt.find_checkpoint(cfg.out)  # Megatron's habit: a run resumes where it saved
+    else:
+        return None, False
+    meta = found.meta
+    saved = meta["model"]
+    here = model_cfg.to_dict()
+    diff = [f"{k} {saved.get(k)!r} vs {here.get(k)!r}" for k in sorted(set(saved) | set(here))
+            if saved.get(k) != here.get(k)]
+    if diff:
+        raise ConfigError(f"checkpoint {found.root / found.tag} holds a different model (checkpoint vs this run: "
+                          f"{'; '.join(diff[:4])}); use the model config it was trained with, or another --out")
+    if meta["global_batch_size"] != cfg.global_batch_size or meta["seq_length"] != cfg.training.seq_length:
+        raise ConfigError(f"checkpoint {found.root / found.tag} was trained with global batch "
+                          f"{meta['global_batch_size']} x {meta['seq_length']} tokens, this run uses "
+                          f"{cfg.global_batch_size} x {cfg.training.seq_length}; keep them to resume the same data "
+                          f"order")
+    old, par = meta["layout"], cfg.parallel
+    same_model_layout = (old["tp"], old["pp"]) == (par.tp, par.pp)
+    zero_same = old["zero_stage"] == par.zero_stage and (old["zero_stage"] == 0 or old["dp"] == cfg.dp)
+    universal = not (same_model_layout and zero_same)
+    if universal and (old["zero_stage"] == 0 or par.zero_stage == 0):
+        raise ConfigError(f"checkpoint {found.root / found.tag} was saved at tp={old['tp']} pp={old['pp']} "
+                          f"dp={old['dp']} ZeRO-{old['zero_stage']}; resuming at tp={par.tp} pp={par.pp} "
+                          f"dp={cfg.dp} ZeRO-{par.zero_stage} goes through DeepSpeed's universal checkpoint, which "
+                          f"needs ZeRO >= 1 on both sides; resume in the saved layout, or train with --zero 1")
+    return found, universal
+
+
+def print_sample(model_dir: Path, log, prompt: str = "The ", max_new_tokens: int = 48) -> None:
+    """Greedy continuation of ``prompt`` by the exported model, in this process alone (any training layout).
+
+    Reading the exported folder back also proves the export: what is printed comes from the files on disk.
+    """
+    from zoo.convert.io import load_model, read_config
+    from zoo.data.tokenizer import load_tokenizer
+    from zoo.models.generate import Generator, SamplingOptions
+    from zoo.models.gpt import GPTConfig, ParallelOptions, layer_specs
+    from zoo.models.specs import SpecSequential
+
+    _, config = read_config(model_dir)
+    model_cfg = GPTConfig.from_dict(config)
+    model = SpecSequential(layer_specs(model_cfg, ParallelOptions()))
+    load_model(model_dir, model)
+    model.eval()
+    tok = load_tokenizer(model_dir)
+    ids = torch.tensor([tok.encode(prompt)])
+    out = Generator(model).generate(ids, max_new_tokens=max_new_tokens, sampling=SamplingOptions(greedy=True),
+                                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    log("sample (greedy): " + repr(prompt + tok.decode(out.tokens[0, ids.shape[1]:].tolist())))
+
+
 def main(argv=None) -> int:
+    from zoo.convert.io import save_model
     from zoo.parallel.topology import destroy_model_parallel, initialize_model_parallel
+    from zoo.training.checkpoint import ResumeError
 
     args = parse_args(argv)
     rank0 = os.environ.get("RANK", "0") == "0"
@@ -201,21 +460,39 @@ def main(argv=None) -> int:
     try:
         cfg = config_from_args(args)
         model_cfg = validate(cfg, world)  # before any process group exists
-    except ConfigError as e:
+        resume, universal = resume_plan(cfg, model_cfg, args)
+    except (ConfigError, ResumeError) as e:
         if rank0:
             print(f"error: {e}", file=sys.stderr)
         return 2
     grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp)
+    out = Path(cfg.out)
+    say = lambda s: print(s, flush=True)  # noqa: E731
     if grid.rank == 0:
-        print(f"zoo: {model_cfg.num_parameters() / 1e6:.1f}M parameters | tp={grid.tp} pp={grid.pp} dp={grid.dp} "
-              f"zero={cfg.parallel.zero_stage} | global batch {cfg.global_batch_size} x {cfg.training.seq_length} "
-              f"tokens | {cfg.training.precision}", flush=True)
-        Path(cfg.out).mkdir(parents=True, exist_ok=True)
-        (Path(cfg.out) / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        say(f"zoo: {model_cfg.num_parameters() / 1e6:.2f}M parameters | tp={grid.tp} pp={grid.pp} dp={grid.dp} "
+            f"zero={cfg.parallel.zero_stage} | global batch {cfg.global_batch_size} x {cfg.training.seq_length} "
+            f"tokens | {cfg.training.precision} | data: {cfg.data.source}")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     try:
-        train(cfg, model_cfg, grid, log=lambda s: print(s, flush=True))
+        data = build_data(cfg, model_cfg, grid)
+        result = train(cfg, model_cfg, grid, log=say, resume=resume, universal=universal, data=data,
+                       keep_engine=True, progress=True)
+        engine = result.engine
+        if cfg.training.save:
+            save_model(out / "model", engine.module, grid, cfg.model.family, model_cfg.to_dict(),
+                       tokenizer_dir=data.tokenizer_dir)
+        engine.destroy()
         if grid.rank == 0:
-            print(f"done: metrics in {Path(cfg.out) / 'metrics.jsonl'}", flush=True)
+            if result.val_losses:
+                (s0, v0), (s1, v1) = result.val_losses[0], result.val_losses[-1]
+                say(f"validation loss {v0:.3f} (step {s0}) -> {v1:.3f} (step {s1}), {100 * v1 / v0:.0f}% of the first")
+            say(f"done: metrics in {out / 'metrics.jsonl'} | TensorBoard: tensorboard --logdir {out / 'tb'} | "
+                f"loss plot {out / 'loss.png'}" + (f" | checkpoints {out / 'checkpoints'} | model {out / 'model'}"
+                                                    if cfg.training.save else ""))
     finally:
+        is_rank0 = grid.rank == 0
         destroy_model_parallel()
+    if is_rank0 and cfg.training.save and not args.no_sample and data.tokenizer_dir is not None:
+        print_sample(out / "model", say)
     return 0

@@ -1,0 +1,15 @@
+"""Generate text from a zoo model folder: one process, or `torchrun --nproc_per_node T ... --tp T`.
+
+    python launch/generate.py --ckpt runs/tiny/model --prompt "Once upon a time" --max-new-tokens 64
+    torchrun --nproc_per_node 2 launch/generate.py --tp 2 --ckpt DIR --prompt "..." --temperature 0.8 --top-p 0.9
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from zoo.models.generate import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

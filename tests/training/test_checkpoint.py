@@ -1,0 +1,169 @@
+"""Checkpoints: exact resume after SIGKILL, resume in another layout, crash-safe saves, refused bad --load.
+
+Reference runs go through the gloo pools (same code path as launch/train.py, without process start-up); the
+interrupted runs are real processes killed with SIGKILL.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs/gpt/tiny.yaml"
+COMMON = ["training.micro_batch_size=2", "training.global_batch_size=4", "training.seq_length=32",
+          "training.lr=3e-3", "training.warmup_steps=2", "data.source=synthetic", "training.eval_interval=0",
+          "training.log_interval=1"]
+
+
+def run_case(overrides, out, resume_step=None, universal=False):
+    """train() in this worker; with resume_step, first load that checkpoint of ``out``'s first run folder."""
+    import torch.distributed as dist
+
+    from zoo.parallel.topology import initialize_model_parallel
+    from zoo.training.checkpoint import find_checkpoint
+    from zoo.training.config import load, validate
+    from zoo.training.train import train
+
+    cfg = load(CONFIG, COMMON + list(overrides) + [f"out={out}"])
+    model_cfg = validate(cfg, dist.get_world_size())
+    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp)
+    resume = find_checkpoint(out, resume_step) if resume_step is not None else None
+    return train(cfg, model_cfg, grid, log=lambda s: None, resume=resume, universal=universal)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc, args, script=ROOT / "launch/train.py"):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(_free_port()), str(script), *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+
+
+def losses_of(out):
+    return {r["step"]: r["loss"] for r in map(json.loads, (Path(out) / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
+
+
+KILL_AFTER_STEP_10 = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {root!r})
+    import zoo.training.checkpoint as ckpt
+    real = ckpt.save_checkpoint
+    def save_then_die(engine, root, step, *args, **kwargs):
+        path = real(engine, root, step, *args, **kwargs)
+        if step == 10:  # every rank is past the save: both ranks die at once (torchrun then reports it)
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+        return path
+    ckpt.save_checkpoint = save_then_die
+    from zoo.training.train import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def test_sigkill_after_checkpoint_then_resume_is_exact(dist_run, tmp_path):
+    """tp=2, 2 processes: killed after its step-10 checkpoint, resumed with --load: steps 11-20 as if never killed."""
+    flags = ["--config", str(CONFIG), "--tp", "2", "--steps", "20", "--save-interval", "10", "--no-sample"]
+    expected = dist_run(2, run_case, ["parallel.tp=2", "training.steps=20", "training.save=false"],
+                        str(tmp_path / "reference"))[0]
+    out = tmp_path / "run"
+    script = tmp_path / "train_then_die.py"
+    script.write_text(KILL_AFTER_STEP_10.format(root=str(ROOT)))
+    killed = torchrun(2, [*flags, "--out", str(out), "--set", *COMMON], script=script)
+    log = killed.communicate(timeout=300)[0]
+    assert killed.returncode != 0 and "Signal 9 (SIGKILL) received" in log, log[-3000:]  # torchrun saw both die
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000010"
+    resumed = torchrun(2, [*flags, "--out", str(out), "--load", str(out), "--set", *COMMON])
+    log = resumed.communicate(timeout=300)[0]
+    assert "resumed from" in log and "step_00000010 at step 10" in log, log[-3000:]
+    assert "done: metrics in" in log, log[-3000:]
+    got = losses_of(out)
+    assert sorted(got) == list(range(1, 21))
+    assert [got[s] for s in range(11, 21)] == expected[10:], "resumed losses must equal the uninterrupted run's"
+
+
+def test_tp2_checkpoint_resumes_at_tp1_pp2(dist_run, tmp_path):
+    """Saved at tp=2 (ZeRO-1), resumed at tp=1 x pp=2 through DeepSpeed's universal checkpoint."""
+    for model, extra in [("gpt2", []), ("llama", ["model.preset=tiny-llama"])]:
+        out = str(tmp_path / model)
+        base = extra + ["parallel.zero_stage=1", "training.steps=4"]
+        uninterrupted = dist_run(2, run_case, base + ["parallel.tp=2", "training.save_interval=3"], out)[0]
+        resumed = dist_run(2, run_case, base + ["parallel.pp=2", "training.save=false"], out, 3, True)[0]
+        assert len(resumed) == 1
+        torch.testing.assert_close(resumed[0], uninterrupted[3], rtol=1e-5, atol=0, msg=f"{model}: next loss")
+        assert (Path(out) / "checkpoints" / "step_00000003_universal" / "zoo.json").is_file()
+
+
+KILL_DURING_SAVE = textwrap.dedent("""
+    import os, signal, sys
+    import zoo.training.checkpoint as ckpt
+    real = ckpt._write_atomic
+    def write_then_die(path, text):
+        if "step_00000004.partial" in str(path):  # DeepSpeed has written the step-4 files; zoo has not renamed them
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(path, text)
+    ckpt._write_atomic = write_then_die
+    from zoo.training.train import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def test_kill_while_saving_keeps_previous_checkpoint(dist_run, tmp_path):
+    out = tmp_path / "run"
+    args = ["--config", str(CONFIG), "--steps", "6", "--save-interval", "2", "--no-sample", "--out", str(out),
+            "--set", *COMMON]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    killed = subprocess.run([sys.executable, "-c", KILL_DURING_SAVE, *args], capture_output=True, text=True,
+                            env=env, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout[-2000:] + killed.stderr[-2000:]
+    assert (out / "checkpoints" / "step_00000004.partial").is_dir()  # the interrupted save
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000002"
+    resumed = subprocess.run([sys.executable, str(ROOT / "launch/train.py"), *args], capture_output=True, text=True,
+                             env=env, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout and "step_00000002 at step 2" in resumed.stdout
+    expected = dist_run(1, run_case, ["training.steps=6", "training.save=false"], str(tmp_path / "reference"))[0]
+    got = losses_of(out)
+    assert [got[s] for s in range(1, 7)] == expected
+    assert not (out / "checkpoints" / "step_00000004.partial").exists()  # cleaned by the next save of step 4
+
+
+def _main_error(capsys, argv):
+    from zoo.training.train import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def test_bad_load_arguments(capsys, tmp_path, dist_run):
+    base = ["--config", str(CONFIG), "--set", *COMMON]
+    assert "does not exist" in _main_error(capsys, base + ["--load", str(tmp_path / "nope")])
+    (tmp_path / "empty").mkdir()
+    assert "no checkpoint there" in _main_error(capsys, base + ["--load", str(tmp_path / "empty")])
+    assert "--load-step needs --load" in _main_error(capsys, base + ["--load-step", "3"])
+    out = tmp_path / "run"
+    dist_run(1, run_case, ["training.steps=2"], str(out))
+    msg = _main_error(capsys, base + ["--load", str(out), "--set", "model.hidden_size=128"])
+    assert "different model" in msg and "hidden_size 64 vs 128" in msg
+    assert "step 5 is missing" in _main_error(capsys, base + ["--load", str(out), "--load-step", "5"])
+    msg = _main_error(capsys, base + ["--load", str(out), "--pp", "2"])  # world of 1: the layout error comes first
+    assert "not divisible" in msg
+    msg = _main_error(capsys, base + ["--load", str(out), "--set", "training.global_batch_size=8"])
+    assert "global batch 4 x 32" in msg
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert before == ["latest", "step_00000002"]  # nothing was touched by the refused runs

@@ -1,0 +1,73 @@
+"""The main job as a user runs it: embedded corpus -> BPE tokenizer -> training with evaluation -> every artifact.
+
+The full-length run (README, under 10 minutes on 2 cores) is not repeated here; the same command is run for a few
+steps, in one process and at pp=2 under torchrun, and everything it promises to write is checked.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SHORT = ["--steps", "12", "--eval-interval", "6", "--save-interval", "6", "--set", "training.eval_iters=2",
+         "training.log_interval=6", "training.seq_length=64", "training.micro_batch_size=4",
+         "training.global_batch_size=8"]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("zoo-cache")
+
+
+def check_run_folder(out: Path, log: str):
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "loss" in r]
+    valid = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in train] == list(range(1, 13))
+    assert [r["step"] for r in valid] == [0, 6, 12]
+    assert all(abs(r["val_ppl"] - 2.718281828 ** r["val_loss"]) < 1e-6 * r["val_ppl"] for r in valid)
+    for key in ("lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu", "peak_memory_gb", "step_time_s"):
+        assert key in train[0], key
+    assert valid[-1]["val_loss"] < valid[0]["val_loss"]
+    assert list((out / "tb").glob("events.out.tfevents.*"))
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000012"
+    files = {p.name for p in (out / "model").iterdir()}
+    assert {"config.json", "tokenizer.json"} <= files
+    assert "model.safetensors" in files or "model.safetensors.index.json" in files  # one file per stage at pp > 1
+    assert "sample (greedy): 'The " in log
+    assert "done: metrics in" in log
+
+
+def test_main_job_one_process(tmp_path, cache_dir):
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "launch/train.py"), "--out", str(out), *SHORT, f"data.cache_dir={cache_dir}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    check_run_folder(out, proc.stdout)
+    assert "data: embedded" in proc.stdout
+    # The exported folder generates through launch/generate.py as well.
+    gen = subprocess.run([sys.executable, str(ROOT / "launch/generate.py"), "--ckpt", str(out), "--prompt", "def",
+                          "--max-new-tokens", "8"], capture_output=True, text=True, timeout=300)
+    assert gen.returncode == 0 and gen.stdout.splitlines()[-1].startswith("def"), gen.stdout + gen.stderr[-2000:]
+
+
+def test_main_job_pp2_under_torchrun(tmp_path, cache_dir):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           str(ROOT / "launch/train.py"), "--pp", "2", "--out", str(out), *SHORT, f"data.cache_dir={cache_dir}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    check_run_folder(out, proc.stdout)
+    assert "tp=1 pp=2 dp=1" in proc.stdout

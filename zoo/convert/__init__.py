@@ -1,0 +1,1 @@
+"""Checkpoint converters: the layout-free zoo model folder (io.py) and HuggingFace adapters."""

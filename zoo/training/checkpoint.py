@@ -1,0 +1,235 @@
+"""Training checkpoints: DeepSpeed's files, written so a crash never damages the last good one, resumed exactly.
+
+Layout of ``<out>/checkpoints``::
+
+    latest                      the tag of the newest complete checkpoint (DeepSpeed's own convention)
+    step_00000010/              DeepSpeed's files (model, optimizer, LR schedule) + zoo.json (step, layout, config)
+    step_00000010_universal/    made on demand when a run resumes in another layout (DeepSpeed universal checkpoint)
+
+Atomic saves: DeepSpeed writes into ``<tag>.partial``; once every rank has finished, rank 0 adds ``zoo.json``,
+renames the folder to ``<tag>`` and only then replaces ``latest`` (write to a temporary file, ``os.replace``). A kill
+at any moment leaves ``latest`` naming a complete checkpoint.
+
+Exact resume: besides what DeepSpeed stores, each model-parallel rank stores its RNG states (Python, NumPy, torch
+CPU and accelerator, and the tensor-parallel dropout tracker) in ``client_state``; the data order is a pure function
+of the step (``zoo.data``), so the step number is the data position. Loaded into the same layout, the remaining
+steps repeat the uninterrupted run bit for bit.
+
+Another layout (tp, pp or, with ZeRO, dp changed): the checkpoint is converted once with DeepSpeed's
+``ds_to_universal`` (rank 0, cached beside it) and loaded with ``checkpoint.load_universal``. DeepSpeed needs to
+know how each parameter is split; :func:`universal_checkpoint_info` gives that as name patterns. RNG states are
+per-rank and cannot be carried to a different set of ranks; they are re-seeded from the step instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from zoo.parallel.shards import barrier, global_rank
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+META = "zoo.json"
+UNIVERSAL_SUFFIX = "_universal"
+
+
+class ResumeError(ValueError):
+    """A checkpoint that cannot be resumed here; the message names the folder and what to do."""
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def checkpoint_root(path: str | os.PathLike) -> Path:
+    """``--load`` accepts a run folder (``<out>``) or its ``checkpoints`` folder."""
+    path = Path(path)
+    return path / CHECKPOINTS if (path / CHECKPOINTS).is_dir() else path
+
+
+def read_latest(root: Path) -> str | None:
+    try:
+        tag = (root / LATEST).read_text().strip()
+    except OSError:
+        return None
+    return tag or None
+
+
+@dataclass
+class Found:
+    root: Path
+    tag: str
+    meta: dict
+
+    @property
+    def step(self) -> int:
+        return self.meta["step"]
+
+
+def find_checkpoint(load: str | os.PathLike, step: int | None = None) -> Found:
+    """The checkpoint ``--load DIR [--load-step N]`` names, with its metadata; one-line errors otherwise."""
+    load = Path(load)
+    if not load.exists():
+        raise ResumeError(f"--load {load}: the folder does not exist")
+    root = checkpoint_root(load)
+    if step is None:
+        tag = read_latest(root)
+        if tag is None:
+            raise ResumeError(f"--load {load}: no checkpoint there (no {root / LATEST}); pass the --out folder of a "
+                              f"run that saved one (--save-interval), or drop --load to start fresh")
+    else:
+        tag = tag_for(step)
+    meta_path = root / tag / META
+    if not meta_path.is_file():
+        have = sorted(p.name for p in root.glob("step_*") if (p / META).is_file())
+        what = f"step {step}" if step is not None else f"'{tag}' (named by {root / LATEST})"
+        raise ResumeError(f"--load {load}: checkpoint {what} is missing or incomplete; complete ones: "
+                          f"{', '.join(have) if have else 'none'}")
+    return Found(root, tag, json.loads(meta_path.read_text()))
+
+
+def universal_checkpoint_info(model_cfg) -> dict:
+    """How each GPT parameter is split over TP, as the patterns DeepSpeed's universal checkpoint needs.
+
+    Names are ``<layer_idx>.<param>`` (DeepSpeed matches with ``re.match``; every pattern must match something).
+    Column-parallel weights (QKV per key-value group, fc1, the untied head) are joined on dim 0 (the default),
+    row-parallel weights on dim 1; SwiGLU's fc1 holds [gate; up] halves on every rank (two sub-parameters).
+    """
+    replicated = [r"\d+\.input_norm\.", r"\d+\.post_attention_norm\.", rf"{model_cfg.num_hidden_layers + 1}\.weight"]
+    if model_cfg.add_bias:
+        replicated += [r"\d+\.attention\.dense\.bias", r"\d+\.mlp\.fc2\.bias",
+                       rf"{model_cfg.num_hidden_layers + 1}\.bias"]
+    if model_cfg.position_embedding_type == "learned":
+        replicated.append(r"(tied_modules\.embed|0)\.position_embeddings\.weight")
+    vocab = [r"(tied_modules\.embed|0)\.word_embeddings\.weight"]
+    if not model_cfg.tie_word_embeddings:
+        vocab.append(rf"{model_cfg.num_hidden_layers + 2}\.linear\.weight")
+    info = {
+        "tp_replicated_parameter_patterns": replicated,
+        "parameter_with_row_parallelism_patterns": [r"\d+\.attention\.dense\.weight", r"\d+\.mlp\.fc2\.weight"],
+        "vocabulary_parameter_patterns": vocab,
+        "original_vocab_size": model_cfg.vocab_size,
+    }
+    if model_cfg.activation == "swiglu":
+        info["parameter_with_2_sub_params_cat_dim_0"] = [r"\d+\.mlp\.fc1\.weight"] + \
+            ([r"\d+\.mlp\.fc1\.bias"] if model_cfg.add_bias else [])
+    if model_cfg.tie_word_embeddings:
+        info["pipeline_replicated_parameter_patterns"] = [r"tied_modules\.embed\."]
+    return info
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# RNG
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def rng_state() -> dict:
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
+
+    acc = get_accelerator()
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "accelerator": acc.get_rng_state() if acc.device_name() != "cpu" else None,
+            "tracker": get_cuda_rng_tracker().get_states()}
+
+
+def set_rng_state(state: dict) -> None:
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("accelerator") is not None:
+        get_accelerator().set_rng_state(state["accelerator"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Save and load
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(engine, root: Path, step: int, meta: dict, client_state: dict, keep_last: int | None = None) -> Path:
+    """Collective: every rank calls it. Returns the checkpoint folder."""
+    tag = tag_for(step)
+    partial = f"{tag}.partial"
+    if global_rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(root / partial, ignore_errors=True)  # left by a run killed while saving
+    barrier()
+    engine.save_checkpoint(str(root), tag=partial, client_state={**client_state, "rng": rng_state()},
+                           save_latest=False)
+    barrier()
+    if global_rank() == 0:
+        _write_atomic(root / partial / META, json.dumps({**meta, "step": step}, indent=2))
+        final = root / tag
+        if final.exists():  # saving the same step again (e.g. a resumed run): keep the old one until the swap
+            old = root / f"{tag}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(root / partial, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(root / partial, final)
+        shutil.rmtree(root / f"{tag}{UNIVERSAL_SUFFIX}", ignore_errors=True)  # stale if this step was re-saved
+        _write_atomic(root / LATEST, tag)
+        if keep_last:
+            steps = sorted(p for p in root.glob("step_????????") if (p / META).is_file())
+            for old in steps[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+                shutil.rmtree(old.with_name(old.name + UNIVERSAL_SUFFIX), ignore_errors=True)
+    barrier()
+    return root / tag
+
+
+def to_universal(found: Found) -> str:
+    """Convert ``found`` to a DeepSpeed universal checkpoint once (global rank 0; others wait); returns its tag."""
+    tag = found.tag + UNIVERSAL_SUFFIX
+    out = found.root / tag
+    if global_rank() == 0 and not (out / META).is_file():
+        import argparse
+
+        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+        tmp = found.root / f"{tag}.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        args = argparse.Namespace(input_folder=str(found.root / found.tag), output_folder=str(tmp),
+                                  num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                  inject_missing_state=False)
+        ds_to_universal(args)
+        shutil.copy2(found.root / found.tag / META, tmp / META)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    barrier()
+    return tag
+
+
+def load_checkpoint(engine, found: Found, *, universal: bool) -> dict:
+    """Load into the engine; restores RNG states when the layout is the same. Returns DeepSpeed's client state."""
+    tag = to_universal(found) if universal else found.tag
+    path, client_state = engine.load_checkpoint(str(found.root), tag=tag, load_optimizer_states=True,
+                                                load_lr_scheduler_states=True)
+    if path is None:
+        raise ResumeError(f"DeepSpeed found no checkpoint files in {found.root / tag}")
+    if not universal and client_state and "rng" in client_state:
+        set_rng_state(client_state["rng"])
+    return client_state or {}
