@@ -5,17 +5,21 @@ zoo's ``SpecSequential(layer_specs(cfg))`` through an explicit key table, and co
 backward test, the loss and the word-embedding gradient). One plain process, tp=1, no torch.distributed: the
 tensor-parallel layers fall back to their single-rank path.
 
-The key tables below are the whole conversion: ``(zoo key, [HF key, ...], transform)``. In a per-block row
-``{}`` is the block index, ``i + 1`` on zoo's side (layer 0 is the embedding) and ``i`` on HF's side.
+The key tables are the converters' own (``zoo.convert.hf_gpt``): ``Row(zoo key, HF keys, HF shapes, to_zoo,
+to_hf)``. In a per-block row ``{}`` is the block index, ``i + 1`` on zoo's side (layer 0 is the embedding) and
+``i`` on HF's side. Here they fill a model in memory; tests/convert/test_hf_gpt.py runs them through files.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
+from zoo.convert.hf_gpt import gpt2_table, llama_table, same, transpose
 from zoo.models.gpt import GPTConfig, GPTLoss, layer_specs
 from zoo.models.specs import SpecSequential
 
@@ -32,98 +36,6 @@ ROPE_SCALINGS = {
 }
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Transforms
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def same(w):
-    """Same layout on both sides."""
-    return w
-
-
-def transpose(w):
-    """HF GPT-2's Conv1D stores [in, out]; zoo's linear layers are nn.Linear, [out, in]."""
-    return w.t()
-
-
-def qkv_groups(q, k, v, cfg: GPTConfig):
-    """HF's separate Q [nq*d], K [nkv*d], V [nkv*d] (rows) -> zoo's fused QKV, one block per key-value group:
-    [q heads g*nq/nkv ... (g+1)*nq/nkv - 1, k head g, v head g] for g < nkv, each head d rows."""
-    d, nq, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    rest = q.shape[1:]  # () for a bias, (h,) for a weight
-    q = q.reshape(nkv, nq // nkv * d, *rest)
-    k = k.reshape(nkv, d, *rest)
-    v = v.reshape(nkv, d, *rest)
-    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Key tables
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def gpt2_table(cfg: GPTConfig) -> list:
-    L = cfg.num_hidden_layers
-
-    def c_attn(w):
-        # Conv1D -> [out, in], then c_attn's rows [Q (all heads); K; V] regrouped per head as [q_h; k_h; v_h].
-        return qkv_groups(*transpose(w).chunk(3, dim=0), cfg)
-
-    def c_attn_bias(b):
-        # The bias follows the same row order as the weight's output rows.
-        return qkv_groups(*b.chunk(3, dim=0), cfg)
-
-    return [
-        ("tied_modules.embed.word_embeddings.weight", ["transformer.wte.weight"], same),  # also the LM head (tied)
-        ("tied_modules.embed.position_embeddings.weight", ["transformer.wpe.weight"], same),
-        ("{}.input_norm.weight", ["transformer.h.{}.ln_1.weight"], same),
-        ("{}.input_norm.bias", ["transformer.h.{}.ln_1.bias"], same),
-        ("{}.attention.qkv.weight", ["transformer.h.{}.attn.c_attn.weight"], c_attn),
-        ("{}.attention.qkv.bias", ["transformer.h.{}.attn.c_attn.bias"], c_attn_bias),
-        ("{}.attention.dense.weight", ["transformer.h.{}.attn.c_proj.weight"], transpose),
-        ("{}.attention.dense.bias", ["transformer.h.{}.attn.c_proj.bias"], same),
-        ("{}.post_attention_norm.weight", ["transformer.h.{}.ln_2.weight"], same),
-        ("{}.post_attention_norm.bias", ["transformer.h.{}.ln_2.bias"], same),
-        ("{}.mlp.fc1.weight", ["transformer.h.{}.mlp.c_fc.weight"], transpose),
-        ("{}.mlp.fc1.bias", ["transformer.h.{}.mlp.c_fc.bias"], same),
-        ("{}.mlp.fc2.weight", ["transformer.h.{}.mlp.c_proj.weight"], transpose),
-        ("{}.mlp.fc2.bias", ["transformer.h.{}.mlp.c_proj.bias"], same),
-        (f"{L + 1}.weight", ["transformer.ln_f.weight"], same),  # final norm
-        (f"{L + 1}.bias", ["transformer.ln_f.bias"], same),
-    ]
-
-
-def llama_table(cfg: GPTConfig) -> list:
-    L = cfg.num_hidden_layers
-    tied = cfg.tie_word_embeddings
-
-    def qkv(q, k, v):
-        # Three projections fused into one weight, per key-value group. RoPE is rotate-half in both, so no
-        # permutation of the q/k rows within a head is needed.
-        return qkv_groups(q, k, v, cfg)
-
-    def gate_up(gate, up):
-        # zoo's SwiGLU fc1 is [gate; up] stacked on the output rows; it computes silu(gate x) * up x.
-        return torch.cat([gate, up], dim=0)
-
-    embed = "tied_modules.embed.word_embeddings.weight" if tied else "0.word_embeddings.weight"
-    table = [
-        (embed, ["model.embed_tokens.weight"], same),
-        ("{}.input_norm.weight", ["model.layers.{}.input_layernorm.weight"], same),
-        ("{}.attention.qkv.weight", ["model.layers.{}.self_attn.q_proj.weight", "model.layers.{}.self_attn.k_proj.weight",
-                                     "model.layers.{}.self_attn.v_proj.weight"], qkv),
-        ("{}.attention.dense.weight", ["model.layers.{}.self_attn.o_proj.weight"], same),
-        ("{}.post_attention_norm.weight", ["model.layers.{}.post_attention_layernorm.weight"], same),
-        ("{}.mlp.fc1.weight", ["model.layers.{}.mlp.gate_proj.weight", "model.layers.{}.mlp.up_proj.weight"], gate_up),
-        ("{}.mlp.fc2.weight", ["model.layers.{}.mlp.down_proj.weight"], same),
-        (f"{L + 1}.weight", ["model.norm.weight"], same),  # final norm
-    ]
-    if not tied:
-        table.append((f"{L + 2}.linear.weight", ["lm_head.weight"], same))  # untied LM head (padded rows)
-    return table
-
-
 def load_from_hf(model: SpecSequential, hf, table: list, cfg: GPTConfig) -> None:
     """Copy HF's weights into ``model`` through ``table``; every zoo and HF tensor must be covered exactly once.
 
@@ -132,20 +44,19 @@ def load_from_hf(model: SpecSequential, hf, table: list, cfg: GPTConfig) -> None
     """
     zoo_sd, hf_sd = model.state_dict(), hf.state_dict()
     written, read = set(), set()
-    for zoo_key, hf_keys, transform in table:
-        blocks = range(cfg.num_hidden_layers) if "{}" in zoo_key else [None]
+    for row in table:
+        blocks = range(cfg.num_hidden_layers) if "{}" in row.zoo else [None]
         for i in blocks:
-            zk = zoo_key if i is None else zoo_key.format(i + 1)
-            hks = hf_keys if i is None else [k.format(i) for k in hf_keys]
-            value, dst = transform(*(hf_sd[k] for k in hks)), zoo_sd[zk]
+            r = row.at(i)
+            value, dst = r.to_zoo(*(hf_sd[k] for k in r.hf)), zoo_sd[r.zoo]
             if value.shape != dst.shape:
-                assert (value.shape[0], dst.shape[0]) == (cfg.vocab_size, cfg.padded_vocab_size()), (zk, value.shape)
-                assert value.shape[1:] == dst.shape[1:], (zk, value.shape, dst.shape)
+                assert (value.shape[0], dst.shape[0]) == (cfg.vocab_size, cfg.padded_vocab_size()), (r.zoo, value.shape)
+                assert value.shape[1:] == dst.shape[1:], (r.zoo, value.shape, dst.shape)
             with torch.no_grad():
                 dst[: value.shape[0]].copy_(value)  # state_dict() tensors share storage with the parameters
-            assert zk not in written, f"{zk} written twice"
-            written.add(zk)
-            read.update(hks)
+            assert r.zoo not in written, f"{r.zoo} written twice"
+            written.add(r.zoo)
+            read.update(r.hf)
     assert written == set(zoo_sd), f"zoo tensors not loaded: {sorted(set(zoo_sd) - written)}"
     unread = set(hf_sd) - read
     if cfg.tie_word_embeddings:  # HF lists the tied head under its own name; it is the embedding tensor
@@ -233,8 +144,8 @@ def test_gpt2_logits_match():
 def test_gpt2_mapping_has_teeth():
     """The comparison is sensitive: c_attn copied without the per-head regrouping gives different logits."""
     hf, model, cfg, table = gpt2_pair()
-    naive = [(z, h, transpose if z.endswith("qkv.weight") else same if z.endswith("qkv.bias") else t)
-             for z, h, t in table]
+    naive = [replace(r, to_zoo=transpose if r.zoo.endswith("qkv.weight") else same if r.zoo.endswith("qkv.bias")
+                     else r.to_zoo) for r in table]
     load_from_hf(model, hf, naive, cfg)
     assert max_logit_diff(model, hf, cfg, token_ids()) > 1e-2
 
@@ -279,7 +190,7 @@ def test_loss_and_embedding_grad_match(pair):
     model.zero_grad()
     loss = GPTLoss(cfg)(model(inputs), labels)
     loss.backward()
-    word_embeddings = dict(model.named_parameters())[table[0][0]]
+    word_embeddings = dict(model.named_parameters())[table[0].zoo]
     zoo_grad = word_embeddings.grad[: cfg.vocab_size]
 
     # HF: shifts internally. Its logits at the last position see one more token than zoo's inputs, but the

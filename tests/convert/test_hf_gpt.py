@@ -1,0 +1,355 @@
+"""HuggingFace <-> zoo for GPT-2, Llama and Mistral: logits equal at every layout, round trips bit-exact.
+
+Small random HF models (with a tiny byte-level BPE tokenizer) are saved in a temporary folder, imported with
+``hf_to_zoo`` and checked with ``verify`` in one 4-rank gloo pool at (tp, pp) in {(1,1), (2,1), (1,2), (2,2)};
+one torchrun run of ``launch/convert.py verify`` at tp=3 (a 9-query, 3-key-value-head model) checks the command
+end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from zoo.convert import io
+from zoo.convert.cli import main
+from zoo.convert.hf_gpt import ConvertError, blocks, gpt2_table, hf_to_zoo, llama_table, resolve_hf_folder
+from zoo.convert.verify import check_hf
+from zoo.models.gpt import GPTConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+VOCAB = 300  # > the tokenizer's 290 entries; not a multiple of 128, so zoo pads it
+EOS = 0  # the tokenizer's <|endoftext|>
+TOL = 1e-4
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, pp)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Small HF models on disk
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def save_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=290, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
+                            eos_token="<|endoftext|>").save_pretrained(folder)
+
+
+def randomize_(model, seed: int) -> None:
+    """Weights away from their init (norms 1, biases 0), so a swapped norm or a dropped bias shows in the logits."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g) * 0.1
+            p.copy_(1.0 + noise if "norm" in name or ".ln_" in name else noise)
+
+
+def hf_gpt2(**overrides):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(**{**dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                                bos_token_id=EOS, eos_token_id=EOS), **overrides}))
+
+
+def hf_llama(tied=False, heads=4, kv_heads=2, hidden=64, intermediate=176, arch="llama", **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    config_cls, model_cls = (MistralConfig, MistralForCausalLM) if arch == "mistral" else \
+        (LlamaConfig, LlamaForCausalLM)
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8, "rope_theta": 5000.0} if not tied else \
+        {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    cfg = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+               num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=64, rms_norm_eps=1e-6,
+               rope_parameters=rope, tie_word_embeddings=tied, bos_token_id=EOS, eos_token_id=EOS)
+    return model_cls(config_cls(**{**cfg, **overrides}))
+
+
+CASES = {
+    "gpt2": lambda: hf_gpt2(),
+    "llama-untied": lambda: hf_llama(tied=False),
+    "llama-tied": lambda: hf_llama(tied=True),
+    "mistral": lambda: hf_llama(arch="mistral", sliding_window=None),
+    "llama-9q3kv": lambda: hf_llama(heads=9, kv_heads=3, hidden=72, intermediate=96),
+}
+LAYOUT_CASES = ["gpt2", "llama-untied", "llama-tied"]
+
+
+def save_hf(model, folder: Path, seed: int = 0, **kwargs) -> Path:
+    randomize_(model, seed)
+    model.eval().save_pretrained(folder, **kwargs)
+    save_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    torch.manual_seed(0)
+    return {name: save_hf(make(), root / name, seed=i) for i, (name, make) in enumerate(CASES.items())}
+
+
+@pytest.fixture(scope="module")
+def zoo_dirs(hf_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("zoo")
+    return {name: hf_to_zoo(folder, root / name) for name, folder in hf_dirs.items()}
+
+
+def run_cli(capsys, *argv) -> tuple[int, str]:
+    """``main(argv)``: exit code and stderr."""
+    capsys.readouterr()
+    rc = main([str(a) for a in argv])
+    return rc, capsys.readouterr().err
+
+
+def assert_error(capsys, pattern: str, *argv) -> None:
+    rc, err = run_cli(capsys, *argv)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), (rc, err)
+    assert re.search(pattern, lines[0]), lines[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tables (pure)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-untied", "llama-tied"])
+def test_tables_cover_the_checkpoint_and_invert(name):
+    """Every HF tensor is read once, with the shape the table expects; to_hf(to_zoo(x)) gives x back exactly."""
+    from zoo.convert.hf_gpt import gpt_config_from_hf
+
+    hf = CASES[name]()
+    arch = type(hf).__name__
+    cfg = gpt_config_from_hf(arch, hf.config)
+    table = gpt2_table(cfg) if arch == "GPT2LMHeadModel" else llama_table(cfg)
+    rows = [r for group in blocks(table, cfg.num_hidden_layers) for r in group]
+    state = hf.state_dict()
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    assert sorted(k for r in rows for k in r.hf) == sorted(state)
+    g = torch.Generator().manual_seed(0)
+    for row in rows:
+        assert [tuple(state[k].shape) for k in row.hf] == [tuple(s) for s in row.hf_shapes], row.zoo
+        xs = [torch.randn(s, generator=g) for s in row.hf_shapes]
+        back = row.hf_tensors(row.to_zoo(*xs))
+        assert all(torch.equal(a, b) for a, b in zip(xs, back)), row.zoo
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# verify at every layout (in gloo pools), and that it notices a wrong weight
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def verify_cases(pairs, tp, pp):
+    from zoo.convert.verify import verify
+
+    return [verify(hf, zoo, tp, pp) for hf, zoo in pairs]
+
+
+def test_verify_every_layout(hf_dirs, zoo_dirs, dist_run):
+    """One pool of 4 ranks serves every layout (dp = 4 / (tp x pp) replicas; rank 0's replica is compared)."""
+    pairs = [(str(hf_dirs[n]), str(zoo_dirs[n])) for n in LAYOUT_CASES]
+    for tp, pp in LAYOUTS:
+        per_rank = dist_run(4, verify_cases, pairs, tp, pp)
+        assert all(r == per_rank[0] for r in per_rank)  # every rank returns rank 0's number
+        for name, diff in zip(LAYOUT_CASES, per_rank[0]):
+            assert diff < TOL, f"{name} at tp={tp} pp={pp}: max |logit diff| {diff}"
+
+
+def test_verify_notices_a_wrong_weight(hf_dirs, zoo_dirs, tmp_path, dist_run):
+    """Heads rotated in one block's fused QKV (each tensor still the right shape): verify reports it."""
+    d = 64 // 4
+    tensors = ((k, t.roll(d, dims=0) if k == "1.attention.qkv.weight" else t)
+               for k, t in io.iter_tensors(zoo_dirs["gpt2"]))
+    _, config = io.read_config(zoo_dirs["gpt2"])
+    io.write_model_folder(tmp_path / "bad", "gpt", config, tensors)
+    good, bad = dist_run(4, verify_cases, [(str(hf_dirs["mistral"]), str(zoo_dirs["mistral"])),
+                                           (str(hf_dirs["gpt2"]), str(tmp_path / "bad"))], 2, 2)[0]
+    assert good < TOL  # Mistral without a sliding window is Llama
+    assert bad > 1e-2
+
+
+def test_verify_command_tp3_torchrun(hf_dirs, zoo_dirs):
+    """A 9-query, 3-key-value-head model runs at tp=3 (three processes); the last line is max_abs_diff=<float>."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_port", str(port),
+           str(ROOT / "launch" / "convert.py"), "verify", "--hf", str(hf_dirs["llama-9q3kv"]),
+           "--zoo", str(zoo_dirs["llama-9q3kv"]), "--tp", "3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    m = re.fullmatch(r"max_abs_diff=(\S+)", lines[-1])
+    assert m, lines[-3:]
+    assert float(m.group(1)) < TOL
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Round trips through the command line
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def hf_tensors(folder: Path) -> dict:
+    return {k: t for f in sorted(folder.glob("*.safetensors")) for k, t in load_file(f).items()}
+
+
+@pytest.mark.parametrize("name,dtype,shard", [("gpt2", None, None), ("llama-untied", None, "40KB"),
+                                              ("llama-tied", "bf16", None)])
+def test_round_trip_bit_exact_and_same_generation(name, dtype, shard, hf_dirs, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src, zoo, out = hf_dirs[name], tmp_path / "zoo", tmp_path / "hf"
+    extra = (["--dtype", dtype] if dtype else []) + (["--max-shard-size", shard] if shard else [])
+    assert run_cli(capsys, "hf-to-zoo", "--src", src, "--out", zoo, *extra)[0] == 0
+    assert run_cli(capsys, "zoo-to-hf", "--src", zoo, "--out", out, *extra)[0] == 0
+    if shard:  # both folders sharded, with an index
+        assert (zoo / io.INDEX_FILE).is_file() and (out / "model.safetensors.index.json").is_file()
+    assert {"config.json", "generation_config.json", "tokenizer.json", "README.md"} <= {p.name for p in out.iterdir()}
+
+    original, exported = hf_tensors(src), hf_tensors(out)
+    assert sorted(exported) == sorted(original)
+    want = torch.bfloat16 if dtype == "bf16" else torch.float32
+    for key, t in original.items():
+        assert exported[key].dtype == want and torch.equal(exported[key], t.to(want)), key
+
+    if shard:  # a sharded HF folder (index) imports back to the same zoo tensors
+        again = dict(io.iter_tensors(hf_to_zoo(out, tmp_path / "zoo-again")))
+        assert all(torch.equal(t, again[k]) for k, t in io.iter_tensors(zoo)) and len(again) == len(dict(
+            io.iter_tensors(zoo)))
+
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok("the lazy dog").input_ids == AutoTokenizer.from_pretrained(src)("the lazy dog").input_ids
+    a = AutoModelForCausalLM.from_pretrained(src, dtype=want).eval()
+    b = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert b.dtype == want and type(b).__name__ == type(a).__name__
+    ids = torch.tensor([tok("the quick brown fox").input_ids])
+    with torch.no_grad():
+        assert torch.equal(a(ids).logits, b(ids).logits)
+        ga = a.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=EOS)
+        gb = b.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=EOS)
+    assert ga.shape[1] > ids.shape[1] and torch.equal(ga, gb)
+
+
+def test_hub_id_from_the_cache(hf_dirs, tmp_path, monkeypatch):
+    """A Hub id resolves through huggingface_hub's cache layout without the network (HF_HUB_OFFLINE)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "cache" / "models--zoo-test--tiny-gpt2"
+    shutil.copytree(hf_dirs["gpt2"], repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    out = hf_to_zoo("zoo-test/tiny-gpt2", tmp_path / "zoo", cache_dir=tmp_path / "cache")
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(io.iter_tensors(out), io.iter_tensors(
+        hf_to_zoo(hf_dirs["gpt2"], tmp_path / "zoo-local"))))
+    with pytest.raises(ConvertError, match="does not exist, nor is it a model id in the local HF cache"):
+        resolve_hf_folder("zoo-test/not-there", cache_dir=tmp_path / "cache")
+
+
+def test_legacy_gpt2_keys_and_unused_tensors(hf_dirs, tmp_path, capsys):
+    """Checkpoints saved from GPT2Model have no "transformer." prefix and may hold the causal-mask buffers: they
+    convert the same. A tensor the table does not know is refused rather than dropped."""
+    legacy = tmp_path / "legacy"
+    shutil.copytree(hf_dirs["gpt2"], legacy)
+    state = {k.removeprefix("transformer."): t for k, t in load_file(legacy / "model.safetensors").items()}
+    state["h.0.attn.bias"] = torch.tril(torch.ones(1, 1, 64, 64))
+    save_file(state, legacy / "model.safetensors", metadata={"format": "pt"})
+    converted = dict(io.iter_tensors(hf_to_zoo(legacy, tmp_path / "zoo")))
+    reference = dict(io.iter_tensors(hf_to_zoo(hf_dirs["gpt2"], tmp_path / "zoo-ref")))
+    assert sorted(converted) == sorted(reference) and all(torch.equal(converted[k], reference[k]) for k in reference)
+    state["h.0.attn.extra_scale"] = torch.ones(4)
+    save_file(state, legacy / "model.safetensors", metadata={"format": "pt"})
+    assert_error(capsys, r"1 tensor\(s\) the GPT2LMHeadModel table does not use, e\.g\. \['h\.0\.attn\.extra_scale'\]",
+                 "hf-to-zoo", "--src", legacy, "--out", tmp_path / "zoo2")
+
+
+def test_pickle_only_with_the_flag(hf_dirs, tmp_path, capsys):
+    src = tmp_path / "pickled"
+    shutil.copytree(hf_dirs["llama-tied"], src)
+    state = load_file(src / "model.safetensors")
+    torch.save(state, src / "pytorch_model.bin")
+    (src / "model.safetensors").unlink()
+    assert_error(capsys, r"pickle checkpoint .*--allow-pickle", "hf-to-zoo", "--src", src, "--out", tmp_path / "z")
+    assert not (tmp_path / "z").exists()
+    assert run_cli(capsys, "hf-to-zoo", "--src", src, "--out", tmp_path / "z", "--allow-pickle")[0] == 0
+    from_safetensors = dict(io.iter_tensors(hf_to_zoo(hf_dirs["llama-tied"], tmp_path / "z2")))
+    assert all(torch.equal(t, from_safetensors[k]) for k, t in io.iter_tensors(tmp_path / "z"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad input: one line each, exit 2
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def edited_copy(folder: Path, dst: Path, **config) -> Path:
+    shutil.copytree(folder, dst)
+    meta = json.loads((dst / "config.json").read_text())
+    meta.update(config)
+    (dst / "config.json").write_text(json.dumps(meta))
+    return dst
+
+
+def test_bad_input(hf_dirs, zoo_dirs, tmp_path, capsys):
+    out = tmp_path / "out"
+    supported = "supported: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM"
+    bert = edited_copy(hf_dirs["gpt2"], tmp_path / "bert", architectures=["BertForMaskedLM"], model_type="bert")
+    assert_error(capsys, f"architecture BertForMaskedLM is not supported; {supported}", "hf-to-zoo", "--src", bert,
+                 "--out", out)
+    from transformers import Qwen2Config
+
+    Qwen2Config(architectures=["Qwen2ForCausalLM"]).save_pretrained(tmp_path / "qwen2")
+    assert_error(capsys, "Qwen2ForCausalLM is not supported yet: .*qkv_bias", "hf-to-zoo", "--src", tmp_path / "qwen2",
+                 "--out", out)
+    window = edited_copy(hf_dirs["mistral"], tmp_path / "window", sliding_window=16)
+    assert_error(capsys, "sliding_window 16 < max_position_embeddings 64", "hf-to-zoo", "--src", window, "--out", out)
+    act = edited_copy(hf_dirs["gpt2"], tmp_path / "relu", activation_function="relu")
+    assert_error(capsys, "activation_function 'relu' is not supported", "hf-to-zoo", "--src", act, "--out", out)
+    biased = edited_copy(hf_dirs["llama-tied"], tmp_path / "biased", attention_bias=True)
+    assert_error(capsys, "attention_bias=True is not supported", "hf-to-zoo", "--src", biased, "--out", out)
+    shape = edited_copy(hf_dirs["gpt2"], tmp_path / "shape", n_inner=128)
+    assert_error(capsys, r"tensor transformer\.h\.0\.mlp\.c_fc\.weight: checkpoint has shape \(64, 256\), "
+                 r"config\.json implies \(64, 128\)", "hf-to-zoo", "--src", shape, "--out", out)
+    assert_error(capsys, "HF model folder /no/such/folder does not exist", "hf-to-zoo", "--src", "/no/such/folder",
+                 "--out", out)
+    assert_error(capsys, "model folder /no/such/zoo does not exist", "zoo-to-hf", "--src", "/no/such/zoo", "--out", out)
+    assert_error(capsys, "model folder /no/such/zoo does not exist", "verify", "--hf", hf_dirs["gpt2"],
+                 "--zoo", "/no/such/zoo")
+    assert_error(capsys, "model folder /no/such/zoo does not exist", "--local_rank=0", "verify", "--hf",
+                 hf_dirs["gpt2"], "--zoo", "/no/such/zoo")  # as the deepspeed launcher calls it
+    assert_error(capsys, "is not a zoo model config.*hf-to-zoo", "zoo-to-hf", "--src", hf_dirs["gpt2"], "--out", out)
+    # A layout the heads do not allow: named before any process group is made.
+    assert_error(capsys, r"tp 4 does not divide num_attention_heads 9; tp must divide num_attention_heads 9, "
+                 r"num_key_value_heads 3 and intermediate_size 96: use 1 or 3", "verify", "--hf",
+                 hf_dirs["llama-9q3kv"], "--zoo", zoo_dirs["llama-9q3kv"], "--tp", "4")
+    assert_error(capsys, "tp 4 does not divide num_key_value_heads 2; .*: use 1 or 2", "verify", "--hf",
+                 hf_dirs["llama-untied"], "--zoo", zoo_dirs["llama-untied"], "--tp", "4")
+    assert_error(capsys, "pp 3 exceeds num_hidden_layers 2", "verify", "--hf", hf_dirs["gpt2"], "--zoo",
+                 zoo_dirs["gpt2"], "--pp", "3")
+    with pytest.raises(ConvertError, match="are different models: hidden_size 64 vs 72"):
+        check_hf(hf_dirs["gpt2"], GPTConfig.from_dict(io.read_config(zoo_dirs["llama-9q3kv"])[1]))
+    # A zoo folder whose tensor does not fit its config.
+    tensors = ((k, t[:, :32] if k == "2.mlp.fc2.weight" else t) for k, t in io.iter_tensors(zoo_dirs["llama-tied"]))
+    io.write_model_folder(tmp_path / "badzoo", "gpt", io.read_config(zoo_dirs["llama-tied"])[1], tensors)
+    assert_error(capsys, r"tensor 2\.mlp\.fc2\.weight: checkpoint has shape \(64, 32\), its config implies \(64, 176\)",
+                 "zoo-to-hf", "--src", tmp_path / "badzoo", "--out", out)
+    assert not out.exists() and not list(tmp_path.glob(".*tmp"))  # nothing half-written

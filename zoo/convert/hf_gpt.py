@@ -1,0 +1,647 @@
+"""HuggingFace <-> zoo for the GPT family: GPT-2 (GPT2LMHeadModel), Llama (LlamaForCausalLM), Mistral.
+
+Each architecture is one key table of ``Row(zoo key, HF keys, HF shapes, to_zoo, to_hf)`` (torchtitan's style):
+``{}`` is the block index, ``i + 1`` on zoo's side (layer 0 is the embedding) and ``i`` on HF's side. Every
+transform is pure data movement (transpose, split, concatenate), so HF -> zoo -> HF is bit-exact; the tables are
+checked against transformers' logits (tests/convert/test_hf_gpt.py, tests/models/test_gpt_vs_transformers.py).
+
+Both directions stream: one block's tensors are read (each safetensors file mapped only while they are read),
+transformed and handed to ``io.ShardedWriter``, so memory stays near one output shard plus one block.
+
+Refused, each with one line saying why: other architectures; Qwen2 (biases on q/k/v only: GPTConfig's
+``add_bias`` is all-or-nothing); GPT-2 with another activation than gelu_new or with unusual attention scaling;
+Llama with attention/MLP biases, a head_dim other than hidden/heads, or a RoPE type other than default/linear/
+llama3; Mistral with a sliding window shorter than its context; pickle checkpoints without ``allow_pickle``.
+Notation: h hidden, f intermediate, V vocabulary (unpadded), P positions, nq/nkv query/key-value heads, d head dim.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from safetensors import safe_open
+
+from zoo.convert import io
+from zoo.models.gpt import GPTConfig
+
+SUPPORTED = ("GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM")
+MODEL_TYPES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+               "qwen2": "Qwen2ForCausalLM"}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+GENERATION_CONFIG = "generation_config.json"
+SAFE_INDEX, SAFE_SINGLE = "model.safetensors.index.json", "model.safetensors"
+PICKLE_INDEX, PICKLE_SINGLE = "pytorch_model.bin.index.json", "pytorch_model.bin"
+# Buffers some checkpoints carry that are not weights: GPT-2's causal mask, Llama's RoPE frequencies.
+IGNORED = re.compile(r"(\.attn\.(masked_)?bias|\.rotary_emb\.inv_freq)$")
+REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+class ConvertError(ValueError):
+    """Input that cannot be converted; the message is one line naming the file, tensor or field."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Transforms (each direction's inverse sits next to it)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def same(w):
+    """Same layout on both sides."""
+    return w
+
+
+def transpose(w):
+    """HF GPT-2's Conv1D stores [in, out]; zoo's linear layers are nn.Linear, [out, in]. Its own inverse."""
+    return w.t()
+
+
+def qkv_groups(q, k, v, cfg: GPTConfig):
+    """Separate Q [nq*d], K [nkv*d], V [nkv*d] (rows) -> zoo's fused QKV, one block per key-value group:
+    [q heads g*nq/nkv ... (g+1)*nq/nkv - 1, k head g, v head g] for g < nkv (Megatron's layout, so a
+    contiguous TP split hands each rank whole groups)."""
+    d, nq, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    rest = q.shape[1:]  # () for a bias, (h,) for a weight
+    q = q.reshape(nkv, nq // nkv * d, *rest)
+    k = k.reshape(nkv, d, *rest)
+    v = v.reshape(nkv, d, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)  # [nkv * (nq/nkv + 2) * d, ...]
+
+
+def qkv_ungroup(w, cfg: GPTConfig):
+    """zoo's fused QKV -> (Q [nq*d], K [nkv*d], V [nkv*d]), the inverse of :func:`qkv_groups`."""
+    d, nq, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    rest = w.shape[1:]
+    w = w.reshape(nkv, (nq // nkv + 2) * d, *rest)  # [nkv, (q_per_group + 2) * d, ...]
+    q, k, v = w.split([nq // nkv * d, d, d], dim=1)
+    return q.reshape(nq * d, *rest), k.reshape(nkv * d, *rest), v.reshape(nkv * d, *rest)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One zoo tensor made from one or more HF tensors. ``to_hf`` returns a tensor or a tuple (one per HF key)."""
+
+    zoo: str
+    hf: tuple[str, ...]
+    hf_shapes: tuple[tuple[int, ...], ...]
+    to_zoo: Callable
+    to_hf: Callable
+
+    def at(self, i: int | None) -> "Row":
+        if i is None:
+            return self
+        return Row(self.zoo.format(i + 1), tuple(k.format(i) for k in self.hf), self.hf_shapes, self.to_zoo, self.to_hf)
+
+    def hf_tensors(self, zoo_tensor) -> tuple:
+        out = self.to_hf(zoo_tensor)
+        return out if isinstance(out, tuple) else (out,)
+
+    def zoo_shape(self) -> tuple[int, ...]:
+        """The zoo tensor's shape, found by running ``to_zoo`` on meta tensors of the HF shapes."""
+        return tuple(self.to_zoo(*(torch.empty(s, device="meta") for s in self.hf_shapes)).shape)
+
+
+def _embed_prefix(cfg: GPTConfig) -> str:
+    # Tied: the embedding lives in DeepSpeed's tied_modules (also the LM head); untied: it is layer 0.
+    return "tied_modules.embed" if cfg.tie_word_embeddings else "0"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Key tables
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def gpt2_table(cfg: GPTConfig, prefix: str = "transformer.") -> list[Row]:
+    """GPT2LMHeadModel. ``prefix`` is "" for old checkpoints saved from GPT2Model (keys "h.0...", "wte.weight")."""
+    h, f, V, P, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.max_position_embeddings, \
+        cfg.num_hidden_layers
+    p, e = prefix, _embed_prefix(cfg)
+
+    def c_attn(w):
+        # Conv1D -> [out, in]; c_attn's rows are [Q (all heads); K; V]: regroup per head as zoo's fused QKV.
+        return qkv_groups(*w.t().chunk(3, dim=0), cfg)
+
+    def c_attn_back(w):
+        return torch.cat(qkv_ungroup(w, cfg), dim=0).t()
+
+    def c_attn_bias(b):
+        return qkv_groups(*b.chunk(3, dim=0), cfg)  # the bias follows the weight's output rows
+
+    def c_attn_bias_back(b):
+        return torch.cat(qkv_ungroup(b, cfg), dim=0)
+
+    table = [
+        Row(f"{e}.word_embeddings.weight", (f"{p}wte.weight",), ((V, h),), same, same),  # also the head when tied
+        Row(f"{e}.position_embeddings.weight", (f"{p}wpe.weight",), ((P, h),), same, same),
+        Row("{}.input_norm.weight", (p + "h.{}.ln_1.weight",), ((h,),), same, same),
+        Row("{}.input_norm.bias", (p + "h.{}.ln_1.bias",), ((h,),), same, same),
+        Row("{}.attention.qkv.weight", (p + "h.{}.attn.c_attn.weight",), ((h, 3 * h),), c_attn, c_attn_back),
+        Row("{}.attention.qkv.bias", (p + "h.{}.attn.c_attn.bias",), ((3 * h,),), c_attn_bias, c_attn_bias_back),
+        Row("{}.attention.dense.weight", (p + "h.{}.attn.c_proj.weight",), ((h, h),), transpose, transpose),
+        Row("{}.attention.dense.bias", (p + "h.{}.attn.c_proj.bias",), ((h,),), same, same),
+        Row("{}.post_attention_norm.weight", (p + "h.{}.ln_2.weight",), ((h,),), same, same),
+        Row("{}.post_attention_norm.bias", (p + "h.{}.ln_2.bias",), ((h,),), same, same),
+        Row("{}.mlp.fc1.weight", (p + "h.{}.mlp.c_fc.weight",), ((h, f),), transpose, transpose),
+        Row("{}.mlp.fc1.bias", (p + "h.{}.mlp.c_fc.bias",), ((f,),), same, same),
+        Row("{}.mlp.fc2.weight", (p + "h.{}.mlp.c_proj.weight",), ((f, h),), transpose, transpose),
+        Row("{}.mlp.fc2.bias", (p + "h.{}.mlp.c_proj.bias",), ((h,),), same, same),
+        Row(f"{L + 1}.weight", (f"{p}ln_f.weight",), ((h,),), same, same),  # final norm
+        Row(f"{L + 1}.bias", (f"{p}ln_f.bias",), ((h,),), same, same),
+    ]
+    if not cfg.tie_word_embeddings:
+        table.append(Row(f"{L + 2}.linear.weight", ("lm_head.weight",), ((V, h),), same, same))
+    return table
+
+
+def llama_table(cfg: GPTConfig) -> list[Row]:
+    """LlamaForCausalLM and MistralForCausalLM (same keys). RoPE is rotate-half in both HF and zoo, so the q/k rows
+    need no permutation within a head (unlike Meta's original checkpoints)."""
+    h, f, V, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers
+    d, nq, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+
+    def qkv(q, k, v):
+        return qkv_groups(q, k, v, cfg)  # three projections fused, per key-value group
+
+    def qkv_back(w):
+        return qkv_ungroup(w, cfg)
+
+    def gate_up(gate, up):
+        return torch.cat([gate, up], dim=0)  # zoo's SwiGLU fc1 is [gate; up]: silu(gate x) * up x
+
+    def gate_up_back(w):
+        return tuple(w.chunk(2, dim=0))
+
+    attn, mlp = "model.layers.{}.self_attn.", "model.layers.{}.mlp."
+    table = [
+        Row(f"{_embed_prefix(cfg)}.word_embeddings.weight", ("model.embed_tokens.weight",), ((V, h),), same, same),
+        Row("{}.input_norm.weight", ("model.layers.{}.input_layernorm.weight",), ((h,),), same, same),
+        Row("{}.attention.qkv.weight", (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
+            ((nq * d, h), (nkv * d, h), (nkv * d, h)), qkv, qkv_back),
+        Row("{}.attention.dense.weight", (attn + "o_proj.weight",), ((h, nq * d),), same, same),
+        Row("{}.post_attention_norm.weight", ("model.layers.{}.post_attention_layernorm.weight",), ((h,),), same, same),
+        Row("{}.mlp.fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"), ((f, h), (f, h)), gate_up,
+            gate_up_back),
+        Row("{}.mlp.fc2.weight", (mlp + "down_proj.weight",), ((h, f),), same, same),
+        Row(f"{L + 1}.weight", ("model.norm.weight",), ((h,),), same, same),  # final norm
+    ]
+    if not cfg.tie_word_embeddings:
+        table.append(Row(f"{L + 2}.linear.weight", ("lm_head.weight",), ((V, h),), same, same))
+    return table
+
+
+def table_for(arch: str, cfg: GPTConfig, gpt2_prefix: str = "transformer.") -> list[Row]:
+    return gpt2_table(cfg, gpt2_prefix) if arch == "GPT2LMHeadModel" else llama_table(cfg)
+
+
+def blocks(table: list[Row], num_layers: int) -> Iterator[list[Row]]:
+    """The table's rows with ``{}`` filled in, grouped so a group can be converted at once: the rows before the
+    first per-block row, then one group per block, then the rest."""
+    per_block = [r for r in table if "{}" in r.zoo]
+    first = table.index(per_block[0])
+    yield table[:first]
+    for i in range(num_layers):
+        yield [r.at(i) for r in per_block]
+    yield [r for r in table[first:] if "{}" not in r.zoo]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Configs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def architecture_of(meta: dict, where: str) -> str:
+    archs = meta.get("architectures") or []
+    arch = archs[0] if archs else MODEL_TYPES.get(meta.get("model_type", ""), meta.get("model_type") or "unknown")
+    if arch == "Qwen2ForCausalLM":
+        raise ConvertError(f"{where}: Qwen2ForCausalLM is not supported yet: it has biases on q/k/v but not on o_proj "
+                           f"or the MLP, and zoo's GPTConfig.add_bias is all-or-nothing (it needs a qkv_bias field); "
+                           f"supported: {', '.join(SUPPORTED)}")
+    if arch not in SUPPORTED:
+        raise ConvertError(f"{where}: architecture {arch} is not supported; supported: {', '.join(SUPPORTED)}")
+    return arch
+
+
+def read_hf_config(folder: Path):
+    """``(architecture, transformers config object)`` of a HF model folder (no remote code is ever run)."""
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ConvertError(f"{folder} has no config.json; pass a HuggingFace model folder")
+    try:
+        meta = json.loads(path.read_text())
+    except ValueError as e:
+        raise ConvertError(f"{path} is not valid JSON ({e})") from None
+    if "zoo_format" in meta:
+        raise ConvertError(f"{folder} is a zoo model folder, not a HuggingFace one (use zoo-to-hf)")
+    arch = architecture_of(meta, str(path))
+    from transformers import GPT2Config, LlamaConfig, MistralConfig
+
+    cls = {"GPT2LMHeadModel": GPT2Config, "LlamaForCausalLM": LlamaConfig, "MistralForCausalLM": MistralConfig}[arch]
+    return arch, cls.from_dict(meta)
+
+
+def _rope(c) -> tuple[float, dict | None]:
+    """``(rope_theta, zoo rope_scaling)`` from transformers 5's ``rope_parameters`` (or 4.x's two fields)."""
+    params = dict(getattr(c, "rope_parameters", None) or {})
+    theta = float(params.get("rope_theta", getattr(c, "rope_theta", None) or 10000.0))
+    legacy = getattr(c, "rope_scaling", None) if not params else None
+    params = {**(legacy or {}), **params}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind == "linear":
+        return theta, {"rope_type": "linear", "factor": float(params["factor"])}
+    if kind == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        return theta, {"rope_type": "llama3", **{k: params[k] for k in keys}}
+    raise ConvertError(f"rope_type {kind!r} is not supported; zoo implements default, linear and llama3")
+
+
+def gpt_config(fields: dict) -> GPTConfig:
+    """GPTConfig from a dict, its validation errors as ConvertError (one line for the command line)."""
+    try:
+        return GPTConfig.from_dict(fields)
+    except ValueError as e:
+        raise ConvertError(str(e)) from None
+
+
+def gpt_config_from_hf(arch: str, c) -> GPTConfig:
+    """The GPTConfig computing what the HF model computes; refuses (one line) what zoo's GPT cannot express."""
+
+    def need(ok, msg):
+        if not ok:
+            raise ConvertError(f"{arch}: {msg}")
+
+    if arch == "GPT2LMHeadModel":
+        act = c.activation_function
+        need(act in ("gelu_new", "gelu_pytorch_tanh"),
+             f"activation_function {act!r} is not supported; zoo's GPT-2 uses gelu_new (the tanh approximation)")
+        need(c.scale_attn_weights, "scale_attn_weights=False is not supported (zoo scales scores by 1/sqrt(d))")
+        need(not c.scale_attn_by_inverse_layer_idx, "scale_attn_by_inverse_layer_idx=True is not supported")
+        need(not getattr(c, "add_cross_attention", False), "add_cross_attention=True is not supported")
+        return gpt_config(dict(vocab_size=c.vocab_size, hidden_size=c.n_embd, num_hidden_layers=c.n_layer,
+                         num_attention_heads=c.n_head, intermediate_size=c.n_inner or 4 * c.n_embd,
+                         max_position_embeddings=c.n_positions, position_embedding_type="learned",
+                         normalization="layernorm", norm_eps=c.layer_norm_epsilon, activation="gelu", add_bias=True,
+                         tie_word_embeddings=bool(c.tie_word_embeddings), initializer_range=c.initializer_range,
+                         hidden_dropout=c.resid_pdrop, attention_dropout=c.attn_pdrop))
+    # Llama and Mistral
+    need(c.hidden_act == "silu", f"hidden_act {c.hidden_act!r} is not supported (zoo's SwiGLU uses silu)")
+    need(not getattr(c, "attention_bias", False), "attention_bias=True is not supported (zoo's Llama has no biases)")
+    need(not getattr(c, "mlp_bias", False), "mlp_bias=True is not supported (zoo's Llama has no biases)")
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    need(head_dim * c.num_attention_heads == c.hidden_size,
+         f"head_dim {head_dim} x num_attention_heads {c.num_attention_heads} != hidden_size {c.hidden_size}; "
+         f"zoo needs head_dim = hidden_size / num_attention_heads")
+    window = getattr(c, "sliding_window", None)
+    need(window is None or window >= c.max_position_embeddings,
+         f"sliding_window {window} < max_position_embeddings {c.max_position_embeddings}: zoo has no sliding-window "
+         f"attention")
+    theta, scaling = _rope(c)
+    return gpt_config(dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
+                     num_attention_heads=c.num_attention_heads,
+                     num_key_value_heads=c.num_key_value_heads or c.num_attention_heads,
+                     intermediate_size=c.intermediate_size, max_position_embeddings=c.max_position_embeddings,
+                     position_embedding_type="rope", normalization="rmsnorm", norm_eps=c.rms_norm_eps,
+                     activation="swiglu", add_bias=False, tie_word_embeddings=bool(c.tie_word_embeddings),
+                     rope_theta=theta, rope_scaling=scaling, initializer_range=c.initializer_range,
+                     attention_dropout=float(getattr(c, "attention_dropout", 0.0) or 0.0)))
+
+
+def export_architecture(cfg: GPTConfig) -> str:
+    """The HF architecture computing what this zoo GPT computes (Mistral imports come back as Llama)."""
+    if (cfg.position_embedding_type, cfg.normalization, cfg.activation, cfg.add_bias) == \
+            ("learned", "layernorm", "gelu", True):
+        return "GPT2LMHeadModel"
+    if (cfg.position_embedding_type, cfg.normalization, cfg.activation, cfg.add_bias) == \
+            ("rope", "rmsnorm", "swiglu", False):
+        return "LlamaForCausalLM"
+    raise ConvertError(f"this zoo GPT (position {cfg.position_embedding_type}, {cfg.normalization}, {cfg.activation}, "
+                       f"add_bias={cfg.add_bias}) matches no HF architecture: GPT2LMHeadModel needs learned, "
+                       f"layernorm, gelu, add_bias=True; LlamaForCausalLM needs rope, rmsnorm, swiglu, add_bias=False")
+
+
+def hf_config_from_gpt(cfg: GPTConfig, arch: str, dtype: torch.dtype, special: dict):
+    """The transformers config (GPT2Config or LlamaConfig, ``architectures`` set) for a zoo GPT."""
+    from transformers import GPT2Config, LlamaConfig
+
+    common = dict(vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_word_embeddings,
+                  initializer_range=cfg.initializer_range, architectures=[arch],
+                  **{k: special.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
+    if arch == "GPT2LMHeadModel":
+        c = GPT2Config(n_embd=cfg.hidden_size, n_layer=cfg.num_hidden_layers, n_head=cfg.num_attention_heads,
+                       n_inner=cfg.intermediate_size, n_positions=cfg.max_position_embeddings,
+                       activation_function="gelu_new", layer_norm_epsilon=cfg.norm_eps, resid_pdrop=cfg.hidden_dropout,
+                       embd_pdrop=cfg.hidden_dropout, attn_pdrop=cfg.attention_dropout, **common)
+    else:
+        rope = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
+        rope.pop("type", None)
+        c = LlamaConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+                        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.norm_eps,
+                        rope_parameters=rope, attention_bias=False, mlp_bias=False, hidden_act="silu",
+                        attention_dropout=cfg.attention_dropout, **common)
+    c.dtype = dtype
+    return c
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading a HF folder
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def resolve_hf_folder(src: str | os.PathLike, *, allow_pickle: bool = False, cache_dir=None) -> Path:
+    """A local HF model folder as is (the network is never touched); otherwise a Hub id through huggingface_hub's
+    cache (``snapshot_download``; cache only when HF_HUB_OFFLINE is set)."""
+    path = Path(src).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ConvertError(f"{src} is a file; pass the HuggingFace model folder (or a Hub id)")
+    text = str(src)
+    if not REPO_ID.fullmatch(text) or text.count("/") > 1:
+        raise ConvertError(f"HF model folder {src} does not exist")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"] + (["*.bin"] if allow_pickle else [])
+    offline = _offline()
+    try:
+        return Path(snapshot_download(text, allow_patterns=patterns, local_files_only=offline, cache_dir=cache_dir))
+    except Exception as e:  # huggingface_hub raises many kinds; the message is what matters
+        if offline:
+            raise ConvertError(f"HF model folder {src} does not exist, nor is it a model id in the local HF cache "
+                               f"(HF_HUB_OFFLINE is set)") from None
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConvertError(f"HF model folder {src} does not exist, nor could it be fetched from the Hub: {reason}") \
+            from None
+
+
+READ_CHUNK_BYTES = 64 * 1024**2
+
+
+def read_safetensors(path: Path, keys) -> dict[str, torch.Tensor]:
+    """Tensors of one safetensors file, copied into this process's memory.
+
+    ``safe_open(...).get_tensor`` returns a view of the file's memory map; while any view lives (e.g. waiting in
+    the writer's pending shard) the map stays, and every page read through it counts in this process's RSS, so
+    the whole checkpoint would. Here each tensor is copied out and the file is mapped again for every chunk of
+    ``READ_CHUNK_BYTES``, so at most one chunk of the map is resident at a time.
+    """
+    out = {}
+    for key in keys:
+        with safe_open(path, "pt") as f:
+            view = f.get_tensor(key)  # lazy: no page read yet
+            if view.dim() == 0 or view.numel() * view.element_size() <= READ_CHUNK_BYTES:
+                out[key] = view.clone()
+                continue
+            rows = max(1, READ_CHUNK_BYTES * view.shape[0] // (view.numel() * view.element_size()))
+            copy = torch.empty_like(view)
+            del view
+        for start in range(0, copy.shape[0], rows):
+            with safe_open(path, "pt") as f:
+                copy[start:start + rows] = f.get_slice(key)[start:start + rows]
+        out[key] = copy
+    return out
+
+
+class HFCheckpoint:
+    """The weights of a HF folder: names and shapes from the file headers, values read on demand.
+
+    safetensors only, unless ``allow_pickle`` (then ``torch.load(weights_only=True)``, which unpickles tensors
+    and plain containers only).
+    """
+
+    def __init__(self, folder: Path, allow_pickle: bool = False):
+        self.folder, self.pickled = folder, False
+        self.files: dict[str, str] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self._loaded: dict[str, dict] = {}
+        if (folder / SAFE_INDEX).is_file():
+            self.files = dict(json.loads((folder / SAFE_INDEX).read_text())["weight_map"])
+        elif (folder / SAFE_SINGLE).is_file():
+            self.files = {k: SAFE_SINGLE for k in self._keys(SAFE_SINGLE)}
+        elif (folder / PICKLE_INDEX).is_file() or (folder / PICKLE_SINGLE).is_file():
+            if not allow_pickle:
+                raise ConvertError(f"{folder} holds only a pickle checkpoint ({PICKLE_SINGLE}), which can run code "
+                                   f"when loaded; convert it to safetensors, or pass --allow-pickle if you trust it")
+            self.pickled = True
+            if (folder / PICKLE_INDEX).is_file():
+                self.files = dict(json.loads((folder / PICKLE_INDEX).read_text())["weight_map"])
+            else:
+                self.files = {k: PICKLE_SINGLE for k in self._load(PICKLE_SINGLE)}
+        else:
+            raise ConvertError(f"{folder} has no weights ({SAFE_SINGLE}, {SAFE_INDEX} or {PICKLE_SINGLE})")
+        for fname in sorted(set(self.files.values())):
+            if not (folder / fname).is_file():
+                raise ConvertError(f"{folder / fname} is listed in the index but missing")
+            if self.pickled:
+                self.shapes.update({k: tuple(v.shape) for k, v in self._load(fname).items()})
+            else:
+                with safe_open(folder / fname, "pt") as f:
+                    self.shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+
+    def _keys(self, fname: str) -> list[str]:
+        with safe_open(self.folder / fname, "pt") as f:
+            return list(f.keys())
+
+    def _load(self, fname: str) -> dict:
+        if fname not in self._loaded:
+            path = self.folder / fname
+            try:
+                try:
+                    self._loaded[fname] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
+                    self._loaded[fname] = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as e:  # weights_only refuses anything but tensors and plain containers
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise ConvertError(f"{path} could not be read with torch.load(weights_only=True): {first}") from None
+        return self._loaded[fname]
+
+    def read(self, keys) -> dict[str, torch.Tensor]:
+        """The tensors named by ``keys``, copied out of their files (see :func:`read_safetensors`)."""
+        by_file: dict[str, list[str]] = {}
+        for k in keys:
+            by_file.setdefault(self.files[k], []).append(k)
+        out = {}
+        for fname, names in by_file.items():
+            if self.pickled:
+                out.update({k: self._load(fname)[k].clone() for k in names})
+            else:
+                out.update(read_safetensors(self.folder / fname, names))
+        return out
+
+
+def _check_shapes(rows: list[Row], shapes: dict[str, tuple], where: str) -> None:
+    for row in rows:
+        for key, expected in zip(row.hf, row.hf_shapes):
+            if key not in shapes:
+                raise ConvertError(f"tensor {key} is missing from {where}")
+            if tuple(shapes[key]) != tuple(expected):
+                raise ConvertError(f"tensor {key}: checkpoint has shape {tuple(shapes[key])}, config.json implies "
+                                   f"{tuple(expected)}")
+
+
+def _gpt2_prefix(keys) -> str:
+    return "" if "wte.weight" in keys and "transformer.wte.weight" not in keys else "transformer."
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The two conversions
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def hf_to_zoo(src, out, *, dtype: torch.dtype | None = None, allow_pickle: bool = False,
+              max_shard_bytes: int = io.DEFAULT_SHARD_BYTES, cache_dir=None) -> Path:
+    """Write the HF model ``src`` (folder or Hub id) as a zoo model folder ``out`` (family "gpt"), streaming.
+
+    Everything is checked (architecture, config, every tensor's presence and shape, no unused tensor) before a
+    byte is written. ``dtype`` None keeps the checkpoint's dtypes.
+    """
+    folder = resolve_hf_folder(src, allow_pickle=allow_pickle, cache_dir=cache_dir)
+    arch, hf_cfg = read_hf_config(folder)
+    cfg = gpt_config_from_hf(arch, hf_cfg)
+    ckpt = HFCheckpoint(folder, allow_pickle)
+    table = table_for(arch, cfg, _gpt2_prefix(ckpt.shapes))
+    groups = list(blocks(table, cfg.num_hidden_layers))
+    rows = [r for g in groups for r in g]
+    _check_shapes(rows, ckpt.shapes, str(folder))
+    used = {k for r in rows for k in r.hf}
+    if cfg.tie_word_embeddings:
+        used.add("lm_head.weight")  # some checkpoints store the tied head too: it is the embedding
+    unused = sorted(k for k in set(ckpt.shapes) - used if not IGNORED.search(k))
+    if unused:
+        raise ConvertError(f"{folder}: {len(unused)} tensor(s) the {arch} table does not use, e.g. {unused[:3]}; "
+                           f"the model has a feature zoo does not convert")
+
+    def tensors():
+        for group in groups:
+            values = ckpt.read([k for r in group for k in r.hf])
+            for row in group:
+                t = row.to_zoo(*(values.pop(k) for k in row.hf))
+                yield row.zoo, t if dtype is None else t.to(dtype)
+
+    final = io.write_model_folder(out, "gpt", cfg.to_dict(), tensors(), tokenizer_dir=folder,
+                                  max_shard_bytes=max_shard_bytes)
+    _write_generation_config(folder, hf_cfg, final)
+    return final
+
+
+def _write_generation_config(folder: Path, hf_cfg, dst: Path) -> None:
+    """Keep the special token ids and generation defaults beside the zoo folder (zoo's config has no place for
+    them), taken from the HF folder's generation_config.json or derived from its config."""
+    if (folder / GENERATION_CONFIG).is_file():
+        shutil.copy2(folder / GENERATION_CONFIG, dst / GENERATION_CONFIG)
+        return
+    from transformers import GenerationConfig
+
+    GenerationConfig.from_model_config(hf_cfg).save_pretrained(dst)
+
+
+def _special_ids(zoo_folder: Path) -> dict:
+    path = zoo_folder / GENERATION_CONFIG
+    if not path.is_file():
+        return {}
+    meta = json.loads(path.read_text())
+    return {k: meta.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+
+
+MODEL_CARD = """---
+library_name: transformers
+pipeline_tag: text-generation
+---
+
+# {name}
+
+A {arch} ({params:,} parameters, {dtype}) exported from the zoo model folder `{src}` by
+`launch/convert.py zoo-to-hf`. The weights are zoo's, unchanged except for layout (fused QKV and SwiGLU
+projections split, HF's naming); no tokenizer or training details are added here beyond the files passed through.
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("{name}")
+tokenizer = AutoTokenizer.from_pretrained("{name}")  # if tokenizer files were present in the zoo folder
+```
+
+Check it against the zoo folder with `launch/convert.py verify --hf {name} --zoo {src}`.
+"""
+
+
+def zoo_to_hf(src, out, *, dtype: torch.dtype | None = None, max_shard_bytes: int = io.DEFAULT_SHARD_BYTES) -> Path:
+    """Write the zoo model folder ``src`` as a HF model folder ``out``: safetensors (one file or sharded with an
+    index), config.json, generation_config.json, tokenizer files, README.md. Streams one block at a time."""
+    src = Path(src)
+    try:
+        family, meta = io.read_config(src)
+    except io.CheckpointError as e:
+        raise ConvertError(str(e)) from None
+    if family != "gpt":
+        raise ConvertError(f"{src} holds a {family!r} model; this converter exports the gpt family")
+    cfg = gpt_config(meta)
+    arch = export_architecture(cfg)
+    table = table_for(arch, cfg)
+    groups = list(blocks(table, cfg.num_hidden_layers))
+    try:
+        files = io.weight_map(src)
+    except io.CheckpointError as e:
+        raise ConvertError(str(e)) from None
+    shapes: dict[str, tuple] = {}
+    for fname in sorted(set(files.values())):
+        with safe_open(src / fname, "pt") as f:
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    for row in (r for g in groups for r in g):
+        if row.zoo not in shapes:
+            raise ConvertError(f"tensor {row.zoo} is missing from {src}")
+        if shapes[row.zoo] != row.zoo_shape():
+            raise ConvertError(f"tensor {row.zoo}: checkpoint has shape {shapes[row.zoo]}, its config implies "
+                               f"{row.zoo_shape()}")
+    if dtype is None:  # config.json's dtype: the word embedding's
+        with safe_open(src / files[table[0].zoo], "pt") as f:
+            dtype_name = f.get_slice(table[0].zoo).get_dtype()
+        out_dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(dtype_name, torch.float32)
+    else:
+        out_dtype = dtype
+
+    final = Path(out)
+    staging = io.staging_folder(final)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    writer = io.ShardedWriter(staging, prefix="model", max_shard_bytes=max_shard_bytes)
+    for group in groups:
+        by_file: dict[str, list[str]] = {}
+        for row in group:
+            by_file.setdefault(files[row.zoo], []).append(row.zoo)
+        values = {}
+        for fname, names in by_file.items():
+            values.update(read_safetensors(src / fname, names))
+        for row in group:
+            for key, t in zip(row.hf, row.hf_tensors(values.pop(row.zoo))):
+                writer.add(key, t if dtype is None else t.to(dtype))
+    io.write_index(staging, writer.close(), writer.total_bytes)
+
+    special = _special_ids(src)
+    hf_cfg = hf_config_from_gpt(cfg, arch, out_dtype, special)
+    hf_cfg.save_pretrained(staging)
+    if (src / GENERATION_CONFIG).is_file():
+        shutil.copy2(src / GENERATION_CONFIG, staging / GENERATION_CONFIG)
+    else:
+        from transformers import GenerationConfig
+
+        GenerationConfig.from_model_config(hf_cfg).save_pretrained(staging)
+    io.copy_tokenizer(src, staging)
+    (staging / "README.md").write_text(MODEL_CARD.format(name=final.name, arch=arch, params=cfg.num_parameters(),
+                                                         dtype=str(out_dtype).replace("torch.", ""), src=src))
+    io.publish(staging, final)
+    return final
