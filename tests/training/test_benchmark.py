@@ -1,0 +1,40 @@
+"""launch/benchmark.py end to end at a very tiny size: output format, positive throughputs, equal parameter counts.
+
+No timing assertions: the numbers depend on the machine and its load.
+"""
+
+import json
+import re
+
+from zoo.training.benchmark import main
+
+SUMMARY = re.compile(r"^(gpt2|llama): zoo (\d+(?:\.\d+)?) tok/s, transformers (\d+(?:\.\d+)?) tok/s, "
+                     r"ratio (\d+(?:\.\d+)?)$", re.MULTILINE)
+
+
+def test_benchmark_tiny_both_styles(tmp_path, capsys):
+    out_json = tmp_path / "bench.json"
+    rc = main(["--style", "both", "--hidden-size", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
+               "--seq-length", "16", "--batch-size", "2", "--vocab-size", "256", "--steps", "2", "--warmup", "1",
+               "--threads", "1", "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+
+    lines = {m.group(1): m for m in SUMMARY.finditer(out)}
+    assert sorted(lines) == ["gpt2", "llama"], out
+    for m in lines.values():
+        zoo_tok_s, hf_tok_s, ratio = float(m.group(2)), float(m.group(3)), float(m.group(4))
+        assert zoo_tok_s > 0 and hf_tok_s > 0 and ratio > 0
+    assert re.search(r"^style\s+impl\s+params\s+tok/s", out, re.MULTILINE), out  # the table
+
+    report = json.loads(out_json.read_text())
+    assert [s["style"] for s in report["styles"]] == ["gpt2", "llama"]
+    for style in report["styles"]:
+        assert style["zoo_params"] == style["transformers_params"] > 0
+        assert style["zoo_params_allocated"] == style["zoo_params"]  # vocab 256: a multiple of 128, no padding
+        assert f"zoo {style['zoo_params']:,} (cfg.num_parameters()), transformers {style['zoo_params']:,}" in out
+        impls = {r["impl"]: r for r in style["results"]}
+        assert sorted(impls) == ["transformers", "zoo"]
+        for r in impls.values():
+            assert r["tokens_per_s"] > 0 and r["tokens_per_step"] == 2 * 16 and len(r["step_times_s"]) == 2
+            assert r["params"] == style["zoo_params"]

@@ -1,0 +1,519 @@
+"""Training throughput of zoo's GPT against HuggingFace ``transformers`` on the same model, in one process.
+
+    python launch/benchmark.py                                   # both styles, small CPU-sized models
+    python launch/benchmark.py --style llama --steps 20
+    python launch/benchmark.py --preset gpt2-124m --dtype bf16 --batch-size 8 --seq-length 1024   # on a GPU
+
+For each style the two models have the same shape and parameter count:
+
+- GPT-2 style: zoo's learned-position / LayerNorm / GELU(tanh) / biased / tied model against ``GPT2LMHeadModel``
+  (``activation_function="gelu_new"``, every dropout 0);
+- Llama style: zoo's RoPE / RMSNorm / SwiGLU / bias-free / GQA model against ``LlamaForCausalLM``.
+
+Both train on the same batch ``[b, s]`` (inputs and next-token labels of one random token sequence), with the same
+dtype (parameters cast to it; fp32 on CPU), the same optimizer (``torch.optim.AdamW``, torch's default
+foreach/fused choice for the device) and the same step: zero grads, forward, loss, backward, optimizer step.
+HF attention is ``sdpa``, as zoo calls ``F.scaled_dot_product_attention``; HF's loss is its own
+``ForCausalLMLoss`` fed the already shifted labels (``shift_labels``), so both average over the same b*s tokens.
+
+Timing: warm-up steps first, then N timed steps with the accelerator synchronised around each; the two models'
+steps are interleaved (and their order alternated), so load from other processes hits both alike. Reported:
+median step time, tokens/s = b*s / median, the median CPU time of the process per step (steadier than wall time
+on a shared CPU), TFLOP/s from :func:`zoo.training.metrics.training_flops_per_token`
+(no recomputation; the same count for both, since the models are the same), MFU where the device's peak is
+known, and the peak memory of one step: parameters + optimizer state + the most the step allocates on top
+(accelerator allocator statistics; on CPU the profiler's allocation events).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+STYLES = ("gpt2", "llama")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The CPU-sized default model (both styles): under a minute for everything on 2 idle cores, a few when shared.
+DEFAULT_SIZE = dict(hidden_size=256, layers=4, heads=4, seq_length=256, batch_size=4, vocab_size=8192)
+PRESET_SEQ_LENGTH, PRESET_BATCH_SIZE = 1024, 8
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="launch/benchmark.py",
+        description="Training tokens/s of zoo's GPT vs transformers' GPT2LMHeadModel / LlamaForCausalLM of the same "
+                    "size, batch, dtype and optimizer, in one process.",
+    )
+    p.add_argument("--style", choices=[*STYLES, "both"], default=None,
+                   help="model style (default: both; with --preset, the preset's style)")
+    p.add_argument("--preset", help="a zoo GPT preset (e.g. gpt2-124m, llama-1b); size flags override its fields. "
+                                    f"Default batch/seq with a preset: {PRESET_BATCH_SIZE} x {PRESET_SEQ_LENGTH}")
+    p.add_argument("--hidden-size", type=int, help=f"hidden size (default {DEFAULT_SIZE['hidden_size']})")
+    p.add_argument("--layers", type=int, help=f"transformer blocks (default {DEFAULT_SIZE['layers']})")
+    p.add_argument("--heads", type=int, help=f"attention (query) heads (default {DEFAULT_SIZE['heads']})")
+    p.add_argument("--kv-heads", type=int, help="key/value heads, Llama style only (default: half the heads, "
+                                                "grouped-query attention; GPT-2 is multi-head)")
+    p.add_argument("--intermediate-size", type=int, help="MLP size, Llama style only (default: 2.75 h rounded up "
+                                                         "to a multiple of 64; GPT-2 style uses 4 h)")
+    p.add_argument("--seq-length", type=int, help=f"tokens per sequence (default {DEFAULT_SIZE['seq_length']})")
+    p.add_argument("--batch-size", type=int, help=f"sequences per step (default {DEFAULT_SIZE['batch_size']})")
+    p.add_argument("--vocab-size", type=int, help=f"vocabulary (default {DEFAULT_SIZE['vocab_size']}; a multiple of "
+                                                  "128 keeps zoo unpadded, so both models do the same work)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per model (default 10; the median is reported)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps per model (default 3)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="fp32",
+                   help="parameter and compute dtype of both models (default fp32; bf16/fp16 for GPUs)")
+    p.add_argument("--threads", type=int, default=None,
+                   help=f"torch CPU threads (default: all cores available, here {_cores()})")
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
+    p.add_argument("--seed", type=int, default=1234, help="seed of the weights and of the token batch")
+    p.add_argument("--no-memory", action="store_true", help="skip the extra step that measures peak memory")
+    p.add_argument("--json", metavar="FILE", help="also write the results to FILE as JSON")
+    return p
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Configurations: zoo's GPTConfig, and the transformers config of the same model
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def style_of(cfg) -> str:
+    """'gpt2' or 'llama' for the two canonical feature sets; a mix has no transformers twin."""
+    gpt2 = ("learned", "layernorm", "gelu", True)
+    llama = ("rope", "rmsnorm", "swiglu", False)
+    features = (cfg.position_embedding_type, cfg.normalization, cfg.activation, cfg.add_bias)
+    if features == gpt2 and cfg.num_key_value_heads == cfg.num_attention_heads and cfg.tie_word_embeddings:
+        return "gpt2"
+    if features == llama:
+        return "llama"
+    raise ValueError(f"the model {features} (position, norm, activation, bias) is neither GPT-2 style "
+                     f"{gpt2} with tied embeddings and multi-head attention nor Llama style {llama}; "
+                     "transformers has no model of the same shape to compare with")
+
+
+def _llama_intermediate(h: int) -> int:
+    return -(-int(2.75 * h) // 64) * 64  # tiny-llama's ratio (176 for h=64)
+
+
+def zoo_config(style: str, args):
+    """The GPTConfig to benchmark: a preset with overrides, or the flags' sizes on top of tiny / tiny-llama."""
+    from zoo.models.gpt import GPTConfig
+
+    overrides = dict(hidden_dropout=0.0, attention_dropout=0.0)
+    for flag, name in (("hidden_size", "hidden_size"), ("layers", "num_hidden_layers"),
+                       ("heads", "num_attention_heads"), ("vocab_size", "vocab_size")):
+        value = getattr(args, flag)
+        if value is None and args.preset is None:
+            value = DEFAULT_SIZE[flag]
+        if value is not None:
+            overrides[name] = value
+    if args.preset is None:
+        base = "tiny" if style == "gpt2" else "tiny-llama"
+        seq = args.seq_length or DEFAULT_SIZE["seq_length"]
+        overrides["max_position_embeddings"] = seq
+        if style == "llama":
+            heads = overrides["num_attention_heads"]
+            overrides["num_key_value_heads"] = args.kv_heads or (heads // 2 if heads % 2 == 0 else heads)
+            overrides["intermediate_size"] = args.intermediate_size or _llama_intermediate(overrides["hidden_size"])
+        else:
+            overrides["num_key_value_heads"] = overrides["num_attention_heads"]
+            overrides["intermediate_size"] = 4 * overrides["hidden_size"]
+    else:
+        base = args.preset
+        if style == "llama":
+            if args.kv_heads is not None:
+                overrides["num_key_value_heads"] = args.kv_heads
+            if args.intermediate_size is not None:
+                overrides["intermediate_size"] = args.intermediate_size
+        elif "hidden_size" in overrides:
+            overrides["intermediate_size"] = 4 * overrides["hidden_size"]
+        if "num_attention_heads" in overrides and style == "gpt2":
+            overrides["num_key_value_heads"] = overrides["num_attention_heads"]
+    cfg = GPTConfig.from_preset(base, **overrides)
+    if args.preset is not None and args.seq_length and args.seq_length > cfg.max_position_embeddings:
+        cfg = GPTConfig.from_dict({**cfg.to_dict(), "max_position_embeddings": args.seq_length})
+    if style_of(cfg) != style:
+        raise ValueError(f"preset {args.preset!r} is {style_of(cfg)} style, not {style}")
+    return cfg
+
+
+def hf_config(cfg):
+    """The transformers config of the same model (same shape, eps, RoPE, tying; no dropout, no KV cache, sdpa)."""
+    from transformers import GPT2Config, LlamaConfig
+
+    special = dict(bos_token_id=cfg.vocab_size - 1, eos_token_id=cfg.vocab_size - 1)
+    if style_of(cfg) == "gpt2":
+        hf = GPT2Config(vocab_size=cfg.vocab_size, n_embd=cfg.hidden_size, n_layer=cfg.num_hidden_layers,
+                        n_head=cfg.num_attention_heads, n_positions=cfg.max_position_embeddings,
+                        n_inner=cfg.intermediate_size, activation_function="gelu_new",
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0,
+                        layer_norm_epsilon=cfg.norm_eps, initializer_range=cfg.initializer_range,
+                        tie_word_embeddings=True, use_cache=False, **special)
+    else:
+        rope = {"rope_type": "default"}
+        if cfg.rope_scaling is not None:
+            rope = dict(cfg.rope_scaling)
+            rope["rope_type"] = rope.pop("type", None) or rope["rope_type"]
+        hf = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
+                         num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+                         max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.norm_eps,
+                         rope_parameters={**rope, "rope_theta": cfg.rope_theta},
+                         tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=False, mlp_bias=False,
+                         attention_dropout=0.0, initializer_range=cfg.initializer_range, use_cache=False, **special)
+    hf._attn_implementation = "sdpa"
+    return hf
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The two trainees
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Trainee:
+    """One model, its AdamW and the step ``zero_grad, forward + loss, backward, optimizer step``."""
+
+    def __init__(self, impl: str, model: torch.nn.Module, loss_of, lr: float):
+        self.impl, self.model, self.loss_of = impl, model, loss_of
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)  # foreach/fused: torch's default
+        self.step_times: list[float] = []
+        self.cpu_times: list[float] = []  # process CPU time of each timed step (all threads)
+        self.losses: list[float] = []
+
+    def step(self, ids, labels) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        return self.train_step(ids, labels)
+
+    def train_step(self, ids, labels) -> torch.Tensor:
+        """Forward + loss, backward, optimizer step (the gradients must be None or zero before)."""
+        loss = self.loss_of(ids, labels)
+        loss.backward()
+        self.optimizer.step()
+        return loss.detach()
+
+    def timed_step(self, ids, labels, accel, record: bool) -> None:
+        accel.synchronize()
+        start, cpu_start = time.perf_counter(), time.process_time()
+        loss = self.step(ids, labels)
+        accel.synchronize()
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        if record:
+            self.step_times.append(elapsed)
+            self.cpu_times.append(cpu)
+        self.losses.append(float(loss))
+
+    def static_bytes(self) -> int:
+        """Parameters and optimizer state, as held between steps (gradients are freed by zero_grad)."""
+        seen, total = set(), 0
+        tensors = list(self.model.parameters())
+        for state in self.optimizer.state.values():
+            tensors += [t for t in state.values() if torch.is_tensor(t)]
+        for t in tensors:
+            key = (t.device, t.data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total += t.numel() * t.element_size()
+        return total
+
+
+def build_zoo(cfg, device, dtype, seed: int, lr: float) -> Trainee:
+    from zoo.models.gpt import GPTLoss, ParallelOptions, layer_specs
+    from zoo.models.specs import SpecSequential
+
+    model = SpecSequential(layer_specs(cfg, ParallelOptions()), base_seed=seed).to(device=device, dtype=dtype).train()
+    loss_fn = GPTLoss(cfg)
+    return Trainee("zoo", model, lambda ids, labels: loss_fn(model(ids), labels), lr)
+
+
+def build_hf(cfg, device, dtype, seed: int, lr: float) -> Trainee:
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM
+
+    hf_cfg = hf_config(cfg)
+    torch.manual_seed(seed)
+    cls = GPT2LMHeadModel if style_of(cfg) == "gpt2" else LlamaForCausalLM
+    model = cls(hf_cfg).to(device=device, dtype=dtype).train()
+    model.loss_type = "ForCausalLM"  # what it falls back to anyway, without a warning
+    if model.config._attn_implementation != "sdpa":
+        raise ValueError(f"transformers picked attention {model.config._attn_implementation!r}, not 'sdpa'")
+
+    def loss_of(ids, labels):  # labels are already the next tokens: no shift inside HF's loss
+        return model(input_ids=ids, labels=labels, shift_labels=labels, use_cache=False).loss
+
+    return Trainee("transformers", model, loss_of, lr)
+
+
+def hf_num_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # parameters() counts a tied weight once
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Measurement
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _cpu_step_peak_bytes(trainee: Trainee, ids, labels) -> int | None:
+    """The most one step allocates on top of what it starts with, from the profiler's CPU allocation events."""
+    try:
+        from torch._C._profiler import _EventType
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            trainee.train_step(ids, labels)
+        events = []
+        stack = list(prof.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            node = stack.pop()
+            if node.tag == _EventType.Allocation and str(node.extra_fields.device).startswith("cpu"):
+                events.append((node.start_time_ns, node.extra_fields.alloc_size))
+            stack.extend(node.children)
+    except Exception:  # private profiler API: no memory figure rather than no benchmark
+        return None
+    current = peak = 0
+    for _, size in sorted(events, key=lambda e: e[0]):
+        current += size
+        peak = max(peak, current)
+    return peak
+
+
+def step_peak_memory_gb(trainee: Trainee, ids, labels, accel) -> float | None:
+    """Peak memory of one training step of this model alone: parameters + optimizer state + the step's peak
+    allocation on top (activations, gradients, optimizer temporaries). One extra, untimed step."""
+    trainee.optimizer.zero_grad(set_to_none=True)
+    gc.collect()
+    static = trainee.static_bytes()
+    if accel.device_name() == "cpu":
+        extra = _cpu_step_peak_bytes(trainee, ids, labels)
+        if extra is None:
+            return None
+    else:
+        accel.synchronize()
+        accel.reset_peak_memory_stats()
+        base = accel.memory_allocated()
+        trainee.train_step(ids, labels)
+        accel.synchronize()
+        extra = accel.max_memory_allocated() - base
+    trainee.optimizer.zero_grad(set_to_none=True)
+    return (static + extra) / 2**30
+
+
+def run_interleaved(trainees: list[Trainee], ids, labels, accel, warmup: int, steps: int) -> None:
+    """Warm-up then timed steps, one step of each model in turn, the order flipped every round."""
+    for i in range(warmup + steps):
+        order = trainees if i % 2 == 0 else trainees[::-1]
+        for t in order:
+            t.timed_step(ids, labels, accel, record=i >= warmup)
+
+
+@dataclass
+class Result:
+    style: str
+    impl: str
+    params: int
+    tokens_per_step: int
+    step_time_s: float  # median
+    cpu_time_s: float  # median process CPU time of a step (all threads)
+    tokens_per_s: float
+    tflops: float
+    mfu: float | None
+    peak_memory_gb: float | None
+    loss_first: float
+    loss_last: float
+    step_times_s: list = field(default_factory=list)
+
+
+@dataclass
+class StyleReport:
+    style: str
+    config: dict
+    zoo_params: int  # cfg.num_parameters(): the unpadded model, as a HF checkpoint counts it
+    zoo_params_allocated: int  # zoo's tensors, padded vocabulary included
+    hf_params: int
+    results: list = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float:
+        zoo, hf = (next(r for r in self.results if r.impl == impl) for impl in ("zoo", "transformers"))
+        return zoo.tokens_per_s / hf.tokens_per_s
+
+
+def batch_shape(args, cfg) -> tuple[int, int]:
+    if args.preset is None:
+        return args.batch_size or DEFAULT_SIZE["batch_size"], args.seq_length or DEFAULT_SIZE["seq_length"]
+    return args.batch_size or PRESET_BATCH_SIZE, args.seq_length or min(PRESET_SEQ_LENGTH, cfg.max_position_embeddings)
+
+
+def benchmark_style(style: str, args, accel, device, dtype, log) -> StyleReport:
+    from zoo.training.metrics import device_name, peak_tflops, training_flops_per_token
+
+    cfg = zoo_config(style, args)
+    b, s = batch_shape(args, cfg)
+
+    zoo = build_zoo(cfg, device, dtype, args.seed, args.lr)
+    hf = build_hf(cfg, device, dtype, args.seed, args.lr)
+    report = StyleReport(style, cfg.to_dict(), cfg.num_parameters(), sum(p.numel() for p in zoo.model.parameters()),
+                         hf_num_parameters(hf.model))
+    padded = cfg.padded_vocab_size()
+    log(f"{style}: h={cfg.hidden_size} layers={cfg.num_hidden_layers} heads={cfg.num_attention_heads}/"
+        f"{cfg.num_key_value_heads} (q/kv) ffn={cfg.intermediate_size} vocab={cfg.vocab_size}"
+        + (f" (zoo pads to {padded})" if padded != cfg.vocab_size else "")
+        + f" tied={cfg.tie_word_embeddings}, batch [{b}, {s}] = {b * s} tokens/step | parameters: "
+          f"zoo {report.zoo_params:,} (cfg.num_parameters()), transformers {report.hf_params:,}"
+        + (f", zoo allocates {report.zoo_params_allocated:,} with the padded vocabulary"
+           if report.zoo_params_allocated != report.zoo_params else ""))
+    if report.zoo_params != report.hf_params:
+        raise ValueError(f"{style}: parameter counts differ (zoo {report.zoo_params:,}, transformers "
+                         f"{report.hf_params:,}): the two configs do not describe the same model")
+
+    g = torch.Generator().manual_seed(args.seed)
+    tokens = torch.randint(0, cfg.vocab_size, (b, s + 1), generator=g).to(device)
+    ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    trainees = [zoo, hf]
+    run_interleaved(trainees, ids, labels, accel, args.warmup, args.steps)
+    memory = {t.impl: None if args.no_memory else step_peak_memory_gb(t, ids, labels, accel) for t in trainees}
+
+    flops_per_token = training_flops_per_token(cfg, s)  # no activation recomputation
+    peak = peak_tflops(device_name(), args.dtype)
+    for t in trainees:
+        median = statistics.median(t.step_times)
+        tok_s = b * s / median
+        tflops = flops_per_token * tok_s / 1e12
+        if not all(math.isfinite(x) for x in t.losses):
+            raise FloatingPointError(f"{style}/{t.impl}: non-finite loss {t.losses}")
+        report.results.append(Result(
+            style, t.impl, report.hf_params if t.impl == "transformers" else report.zoo_params, b * s, median,
+            statistics.median(t.cpu_times), tok_s, tflops, None if peak is None else tflops / peak, memory[t.impl],
+            t.losses[0], t.losses[-1], list(t.step_times)))
+    return report
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def format_table(results: list[Result]) -> str:
+    header = ("style", "impl", "params", "tok/s", "step ms", "cpu ms", "TFLOP/s", "MFU", "peak GB", "loss first>last")
+    rows = [header]
+    for r in results:
+        rows.append((r.style, r.impl, f"{r.params:,}", f"{r.tokens_per_s:,.0f}", f"{r.step_time_s * 1e3:.1f}",
+                     f"{r.cpu_time_s * 1e3:.1f}",
+                     f"{r.tflops:.3g}", "-" if r.mfu is None else f"{r.mfu:.1%}",
+                     "-" if r.peak_memory_gb is None else f"{r.peak_memory_gb:.3f}",
+                     f"{r.loss_first:.3f}>{r.loss_last:.3f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    left = {0, 1}
+    lines = ["  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def summary_line(report: StyleReport) -> str:
+    zoo, hf = (next(r for r in report.results if r.impl == impl) for impl in ("zoo", "transformers"))
+    return (f"{report.style}: zoo {zoo.tokens_per_s:.0f} tok/s, transformers {hf.tokens_per_s:.0f} tok/s, "
+            f"ratio {report.ratio:.2f}")
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    for name in ("steps", "warmup", "threads", "hidden_size", "layers", "heads", "kv_heads", "intermediate_size",
+                 "seq_length", "batch_size", "vocab_size"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "warmup" else 1):
+            print(f"error: --{name.replace('_', '-')} must be {'>= 0' if name == 'warmup' else 'positive'}, "
+                  f"got {value}", file=sys.stderr)
+            return 2
+
+    from deepspeed.accelerator import get_accelerator
+    import torch.distributed as dist
+
+    from zoo.models.gpt import GPTConfig
+    from zoo.parallel.topology import destroy_model_parallel, initialize_model_parallel
+
+    if args.preset is not None:
+        try:
+            preset_style = style_of(GPTConfig.from_preset(args.preset))
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if args.style not in (None, preset_style):
+            print(f"error: preset {args.preset!r} is {preset_style} style; drop --style or use --style "
+                  f"{preset_style}", file=sys.stderr)
+            return 2
+        styles = [preset_style]
+    else:
+        styles = list(STYLES) if args.style in (None, "both") else [args.style]
+
+    accel = get_accelerator()
+    device = torch.device(accel.current_device_name())
+    dtype = DTYPES[args.dtype]
+    if accel.device_name() == "cpu" and dtype != torch.float32:
+        print(f"note: {args.dtype} on CPU is measured as asked, but CPU kernels are tuned for fp32", flush=True)
+
+    threads_before = torch.get_num_threads()
+    threads = args.threads or _cores()
+    torch.set_num_threads(threads)
+    started_dist = not (dist.is_available() and dist.is_initialized())
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    reports: list[StyleReport] = []
+    try:
+        initialize_model_parallel(1, 1)  # a world of one: zoo's layers take their single-rank path
+        log(f"device {accel.current_device_name()} ({threads} CPU threads), {args.dtype}, AdamW lr {args.lr}, "
+            f"{args.warmup} warm-up + {args.steps} timed steps per model (median), steps of the two models "
+            f"interleaved")
+        for style in styles:
+            reports.append(benchmark_style(style, args, accel, device, dtype, log))
+            gc.collect()
+            if accel.device_name() != "cpu":
+                accel.empty_cache()
+    except (ValueError, FloatingPointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        torch.set_num_threads(threads_before)
+        if started_dist:
+            destroy_model_parallel()
+
+    results = [r for rep in reports for r in rep.results]
+    log("")
+    log(format_table(results))
+    log("")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if accel.device_name() == "cpu" and load > _cores():
+        log(f"note: load average {load:.1f} on {_cores()} cores: other processes share the CPU, so step times include "
+            "waiting for it; 'cpu ms' (this process's CPU time per step) compares the work done more steadily")
+    for rep in reports:
+        log(summary_line(rep))
+    if args.json:
+        out = {
+            "device": accel.current_device_name(),
+            "dtype": args.dtype,
+            "threads": threads,
+            "warmup": args.warmup,
+            "steps": args.steps,
+            "load_average": load,
+            "styles": [{"style": rep.style, "config": rep.config, "zoo_params": rep.zoo_params,
+                        "zoo_params_allocated": rep.zoo_params_allocated, "transformers_params": rep.hf_params,
+                        "ratio": rep.ratio, "results": [asdict(r) for r in rep.results]} for rep in reports],
+        }
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        log(f"results written to {args.json}")
+    return 0
