@@ -22,10 +22,10 @@ BAD = [
     (TINY, ["parallel.pp=8"], 8, r"^num_hidden_layers 4 is smaller than pp 8; every pipeline stage needs"),
     (TINY, ["parallel.pp=2", "parallel.zero_stage=2"], 2,
      r"^ZeRO stage 2 does not work with pipeline parallelism \(pp=2\); use zero_stage 0 or 1 with pp > 1"),
-    (TINY, ["training.global_batch_size=10"], 1,
+    (TINY, ["training.global_batch_size=10", "training.micro_batch_size=4"], 1,
      r"^global batch 10 is not divisible by micro batch 4 x dp 1 = 4; global batch = micro batch x gradient"),
-    (TINY, ["training.global_batch_size=16", "training.gradient_accumulation_steps=3"], 1,
-     r"^global batch 16 != micro batch 4 x gradient accumulation 3 x dp 1"),
+    (TINY, ["training.global_batch_size=16", "training.micro_batch_size=4", "training.gradient_accumulation_steps=3"],
+     1, r"^global batch 16 != micro batch 4 x gradient accumulation 3 x dp 1"),
     (TINY, ["parallel.tp=4"], 6, r"^world size 6 is not divisible by tp\*pp = 4 \(tp=4, pp=1\)"),
     (TINY, ["parallel.sequence_parallel=true"], 1, r"^parallel.sequence_parallel needs tp > 1"),
     (TINY, ["training.seq_length=512"], 1, r"^training.seq_length 512 exceeds the model's max_position_embeddings 128"),
@@ -33,6 +33,9 @@ BAD = [
     (TINY, ["training.batch=4"], 1, r"^unknown key\(s\) \['batch'\] in section 'training'"),
     (TINY, ["model.num_layers=4"], 1, r"^model: GPTConfig: unknown field\(s\) \['num_layers'\]"),
     (TINY, ["model.preset=gpt5"], 1, r"^model: unknown GPT preset 'gpt5'; presets: "),
+    (TINY, ["model.family=rnn"], 1, r"^model: model.family 'rnn' is not known; families: \['bert', 'gpt', "),
+    (TINY, ["data.source=web"], 1, r"^data.source 'web' is not available for GPT; supported: \['embedded', "),
+    (TINY, ["training.init_from=/nonexistent/model"], 1, r"^training.init_from: "),
 ]
 
 
@@ -61,7 +64,7 @@ def test_derived_batch_numbers_and_deepspeed_json():
     cfg = load(LLAMA, ["parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1", "training.global_batch_size=32",
                        "parallel.sequence_parallel=true"])
     validate(cfg, 8)
-    assert (cfg.dp, cfg.gradient_accumulation_steps, cfg.global_batch_size) == (2, 4, 32)
+    assert (cfg.dp, cfg.gradient_accumulation_steps, cfg.global_batch_size) == (2, 2, 32)  # micro batch 8
     ds = deepspeed_config(cfg)
     assert ds["train_batch_size"] == 32 == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 2
     assert ds["zero_optimization"]["stage"] == 1

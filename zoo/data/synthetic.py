@@ -26,8 +26,20 @@ def micro_batch(dataset, step: int, micro: int, *, micro_batch_size: int, accumu
 
     Step t uses samples ``[t*G, (t+1)*G)`` (G = micro_batch_size x accumulation x dp), cut into micro-batches, so
     the global batch, and hence the training, is the same in every (tp, pp, dp) layout.
+    A sample is ``seq_length + 1`` tokens (inputs and labels are its two shifts), or already a pair
+    ``(inputs, labels)`` whose parts are tensors or tuples of tensors (instruction data with -100 labels where no
+    loss is taken; BERT's ``(input_ids, token_type_ids, attention_mask)``), stacked part by part.
     """
     per_micro = micro_batch_size * dp
     start = (step * accumulation + micro) * per_micro + dp_rank * micro_batch_size
-    tokens = torch.stack([dataset[start + i] for i in range(micro_batch_size)])
+    samples = [dataset[start + i] for i in range(micro_batch_size)]
+    if isinstance(samples[0], tuple):
+        return _stack(samples)
+    tokens = torch.stack(samples)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _stack(samples: list):
+    if isinstance(samples[0], (tuple, list)):
+        return tuple(_stack([s[i] for s in samples]) for i in range(len(samples[0])))
+    return torch.stack(samples)

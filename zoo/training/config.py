@@ -2,7 +2,7 @@
 
 A run config has four sections (see ``configs/gpt/tiny.yaml``)::
 
-    model:     {family: gpt, preset: tiny, <any GPTConfig field>: value}
+    model:     {family: gpt | bert | unet-seg | unet-diffusion, preset: tiny, <any field of the family's config>: value}
     parallel:  {tp, pp, zero_stage, sequence_parallel, activation_checkpointing, partition_method}
     training:  {seed, steps, micro_batch_size, global_batch_size, gradient_accumulation_steps, seq_length,
                 lr, min_lr, warmup_steps, weight_decay, adam_beta1, adam_beta2, adam_eps, grad_clip, precision}
@@ -22,7 +22,6 @@ from typing import Any
 
 import yaml
 
-from zoo.models.gpt import GPTConfig
 
 
 class ConfigError(ValueError):
@@ -33,15 +32,14 @@ class ConfigError(ValueError):
 class ModelSection:
     family: str = "gpt"
     preset: str | None = "tiny"
-    overrides: dict = field(default_factory=dict)  # GPTConfig fields given beside `preset`
+    overrides: dict = field(default_factory=dict)  # model config fields given beside `preset`
 
-    def build(self) -> GPTConfig:
-        if self.family != "gpt":
-            raise ConfigError(f"model.family {self.family!r} is not available yet; supported: ['gpt']")
+    def build(self):
+        """The family's model config from ``preset`` plus the fields given beside it."""
+        from zoo.training.families import get_family
+
         try:
-            if self.preset is None:
-                return GPTConfig.from_dict(self.overrides)
-            return GPTConfig.from_preset(self.preset, **self.overrides)
+            return get_family(self.family).build_config(self.preset, self.overrides)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"model: {e}") from None
 
@@ -79,6 +77,7 @@ class TrainingSection:
     save_interval: int = 0  # checkpoint every N steps; the end of the run is always saved; 0: only at the end
     keep_last: int = 0  # keep only the newest N checkpoints; 0: keep all
     save: bool = True  # false: no checkpoints and no exported model (quick experiments, tests)
+    init_from: str | None = None  # start from these weights: a zoo model folder, or a HuggingFace folder / Hub id
 
 
 @dataclass
@@ -209,11 +208,48 @@ def load(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
     return from_dict(apply_overrides(raw, list(overrides)))
 
 
+# Fields a run may change in a model it initializes from (they do not change the weights' shapes or meaning).
+INIT_OVERRIDABLE = ("hidden_dropout", "attention_dropout")
+
+
+def init_model_config(cfg: RunConfig):
+    """The model config of ``training.init_from`` (zoo folder, or what the family imports: an HF folder or Hub id
+    for GPT) and the tokenizer folder beside it, if any."""
+    from zoo.convert import io
+    from zoo.training.families import get_family
+
+    src = cfg.training.init_from
+    bad = sorted(set(cfg.model.overrides) - set(INIT_OVERRIDABLE))
+    if bad:
+        raise ConfigError(f"model fields {bad} cannot be set when initializing from {src}: the model comes from "
+                          f"there (only {list(INIT_OVERRIDABLE)} may change)")
+    try:
+        family = get_family(cfg.model.family)
+        if not io.is_model_folder(src):
+            return family.config_from_init(src, cfg.model.overrides)
+        name, config = io.read_config(src)
+        if name != cfg.model.family:
+            raise ConfigError(f"training.init_from {src} holds a {name!r} model, this run trains "
+                              f"{cfg.model.family!r}; set model.family: {name}")
+        model = family.config_from_dict({**config, **cfg.model.overrides})
+    except ConfigError:
+        raise
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"training.init_from: {e}") from None
+    has_tokenizer = any((Path(src) / name).is_file() for name in io.TOKENIZER_FILES[:2])
+    return model, str(src) if has_tokenizer else None
+
+
 def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = None,
-             bf16_supported: bool | None = None) -> GPTConfig:
+             bf16_supported: bool | None = None):
     """Check the run for ``world_size`` processes; fill in dp, accumulation and global batch. Returns the model config."""
     par, tr = cfg.parallel, cfg.training
-    model = cfg.model.build()
+    if tr.init_from is not None:
+        model, tokenizer = init_model_config(cfg)
+        if cfg.data.tokenizer is None and tokenizer is not None:
+            cfg.data.tokenizer = tokenizer
+    else:
+        model = cfg.model.build()
     for name in ("tp", "pp"):
         v = getattr(par, name)
         if not isinstance(v, int) or v < 1:
@@ -236,9 +272,6 @@ def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = N
     if par.sequence_parallel and tr.seq_length % par.tp:
         raise ConfigError(f"training.seq_length {tr.seq_length} is not divisible by tp {par.tp}, "
                           f"which sequence parallelism needs")
-    if tr.seq_length > model.max_position_embeddings:
-        raise ConfigError(f"training.seq_length {tr.seq_length} exceeds the model's max_position_embeddings "
-                          f"{model.max_position_embeddings}")
     for name in ("steps", "micro_batch_size", "seq_length", "log_interval"):
         v = getattr(tr, name)
         if not isinstance(v, int) or v < 1:
@@ -279,51 +312,16 @@ def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = N
     return model
 
 
-SOURCES = ("embedded", "indexed", "synthetic")
+def validate_data(cfg: RunConfig, model) -> None:
+    """The family's own checks (data files, tokenizer, sequence length), as one-line ConfigErrors."""
+    from zoo.training.families import get_family
 
-
-def validate_data(cfg: RunConfig, model: GPTConfig) -> None:
-    """Data problems found by opening files (cheap: indexes are memory-mapped), before any process group."""
-    data = cfg.data
-    if data.source not in SOURCES:
-        raise ConfigError(f"data.source {data.source!r} is not available; supported: {list(SOURCES)}")
-    if not 0.0 <= data.valid_fraction < 1.0:
-        raise ConfigError(f"data.valid_fraction must be in [0, 1), got {data.valid_fraction}")
-    if data.source == "indexed":
-        if not data.paths:
-            raise ConfigError("data.source indexed needs data.paths (prefixes of .bin/.idx files written by "
-                              "launch/preprocess.py), e.g. --set data.paths=[data/my-corpus]")
-        from zoo.data.gpt_dataset import parse_blend
-        from zoo.data.indexed import IndexedDataset
-
-        try:
-            prefixes = parse_blend([str(p) for p in data.paths])[1]
-            prefixes += parse_blend([str(p) for p in data.valid_paths])[1] if data.valid_paths else []
-            for prefix in prefixes:
-                ds = IndexedDataset(prefix)
-                if len(ds) == 0 or int(ds.sizes.sum()) == 0:
-                    raise ValueError(f"{prefix}.bin/.idx holds no tokens; preprocess a non-empty input with "
-                                     f"launch/preprocess.py")
-        except ValueError as e:
-            raise ConfigError(f"data: {e}") from None
-    if data.tokenizer is not None:
-        from zoo.data.tokenizer import load_tokenizer
-
-        try:
-            n = len(load_tokenizer(data.tokenizer))
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"data.tokenizer: {e}") from None
-        if n > model.vocab_size:
-            raise ConfigError(f"tokenizer {data.tokenizer} has {n} tokens but the model's vocab_size is "
-                              f"{model.vocab_size}; set model.vocab_size >= {n} (e.g. --set model.vocab_size={n})")
-    if data.source == "embedded":
-        n = data.tokenizer_vocab_size or model.vocab_size
-        if n > model.vocab_size:
-            raise ConfigError(f"data.tokenizer_vocab_size {n} exceeds the model's vocab_size {model.vocab_size}; "
-                              f"lower it or raise model.vocab_size")
-        if n < 257:
-            raise ConfigError(f"a byte-level BPE needs at least 257 tokens, got vocabulary {n}; "
-                              f"set model.vocab_size (or data.tokenizer_vocab_size) >= 257")
+    try:
+        get_family(cfg.model.family).validate(cfg, model)
+    except ConfigError:
+        raise
+    except (ValueError, OSError) as e:
+        raise ConfigError(str(e)) from None
 
 
 def deepspeed_config(cfg: RunConfig) -> dict:

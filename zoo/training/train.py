@@ -25,6 +25,7 @@ import torch.distributed as dist
 import yaml
 
 from zoo.training.config import ConfigError, RunConfig, deepspeed_config, load, validate
+from zoo.training.families import Data, collate, get_family, to_device
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gpt" / "tiny.yaml"
 
@@ -49,27 +50,50 @@ def lr_factor(step: int, *, steps: int, warmup_steps: int, min_ratio: float) -> 
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False):
+def prepare_init(cfg: RunConfig, grid) -> Path | None:
+    """The zoo model folder to start from: ``training.init_from`` itself, or (HF) its conversion, made once by
+    global rank 0 into ``<out>/init-model``."""
+    from zoo.convert import io
+    from zoo.parallel.shards import barrier
+
+    src = cfg.training.init_from
+    if src is None:
+        return None
+    if io.is_model_folder(src):
+        return Path(src)
+    folder = Path(cfg.out) / "init-model"
+    if grid.rank == 0:
+        get_family(cfg.model.family).import_folder(src, folder)
+    barrier()
+    return folder
+
+
+def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False, init_dir: Path | None = None):
     import deepspeed
 
-    from zoo.models.gpt import CHECKPOINTABLE_LAYERS, GPTLoss, ParallelOptions, layer_specs
     from zoo.models.specs import SpecSequential, build_pipeline
     from zoo.parallel.grad_norm import clip_grad_norm_
     from zoo.parallel.random import configure_activation_checkpointing, model_parallel_seed
+    from zoo.training.families import get_family
 
     par, tr = cfg.parallel, cfg.training
+    family = get_family(cfg.model.family)
     configure_activation_checkpointing(grid)
-    specs = layer_specs(model_cfg, ParallelOptions(sequence_parallel=par.sequence_parallel))
-    loss_fn = GPTLoss(model_cfg)
+    specs = family.layer_specs(model_cfg, par.sequence_parallel)
+    loss_fn = family.loss(model_cfg)
     if grid.pp > 1:
         module = build_pipeline(specs, grid, loss_fn=loss_fn, base_seed=tr.seed, partition_method=par.partition_method,
                                 activation_checkpointing=par.activation_checkpointing,
-                                checkpointable_layers=CHECKPOINTABLE_LAYERS)
+                                checkpointable_layers=family.checkpointable_layers)
         mpu = None  # the PipelineModule brings its own grid (same topology)
     else:
         module = SpecSequential(specs, base_seed=tr.seed, activation_checkpointing=par.activation_checkpointing,
-                                checkpointable_layers=CHECKPOINTABLE_LAYERS)
+                                checkpointable_layers=family.checkpointable_layers)
         mpu = grid
+    if init_dir is not None:  # this rank's slices of this stage's tensors, before DeepSpeed takes the module
+        from zoo.convert.io import load_model
+
+        load_model(init_dir, module, grid.tp_group)
     model_parallel_seed(tr.seed, grid.tp_rank)  # dropout streams, independent of how many layers this rank built
     schedule = partial(lr_factor, steps=tr.steps, warmup_steps=tr.warmup_steps, min_ratio=tr.min_lr / tr.lr)
     ds_config = deepspeed_config(cfg)
@@ -163,37 +187,30 @@ def plot_losses(records: list[dict], path: Path) -> Path | None:
     return path
 
 
-@dataclass
-class Data:
-    train: object
-    valid: object | None
-    tokenizer_dir: str | None
-
-
 def build_data(cfg: RunConfig, model_cfg, grid) -> Data:
-    """The training and validation datasets; the embedded corpus is prepared once, by global rank 0."""
-    from zoo.data.synthetic import SyntheticTokens
-    from zoo.parallel.shards import barrier
+    """The family's training and validation data (zoo.training.families)."""
+    from zoo.training.families import get_family
 
-    data, tr = cfg.data, cfg.training
-    if data.source == "synthetic":
-        return Data(SyntheticTokens(model_cfg.vocab_size, tr.seq_length, seed=tr.seed),
-                    SyntheticTokens(model_cfg.vocab_size, tr.seq_length, seed=tr.seed + 1), data.tokenizer)
-    from zoo.data.gpt_dataset import build_gpt_datasets, prepare_embedded_corpus
+    return get_family(cfg.model.family).build_data(cfg, model_cfg, grid)
 
-    tokenizer, paths = data.tokenizer, data.paths
-    if data.source == "embedded":
-        cache = Path(os.path.expanduser(data.cache_dir))
-        vocab = data.tokenizer_vocab_size or model_cfg.vocab_size
-        if grid.rank == 0:
-            prepare_embedded_corpus(cache, vocab)
-        barrier()
-        prepared = prepare_embedded_corpus(cache, vocab)  # finished files exist now: just reads the marker
-        tokenizer, paths = tokenizer or prepared["tokenizer"], [prepared["prefix"]]
-    train, valid = build_gpt_datasets([str(p) for p in paths], tr.seq_length, tr.seed,
-                                      valid_fraction=data.valid_fraction,
-                                      valid_paths=[str(p) for p in data.valid_paths] if data.valid_paths else None)
-    return Data(train, valid, tokenizer)
+
+def reduced_stats(loss_fn, family) -> dict:
+    """The loss object's running sums since the last call, summed over all ranks, as the family's metrics.
+
+    Collective (every rank calls it). Ranks that computed nothing (pipeline stages before the last) add zeros; TP
+    ranks add identical sums, so families derive ratios, which that uniform repetition does not change.
+    """
+    if not hasattr(loss_fn, "stats"):
+        return {}
+    from deepspeed.accelerator import get_accelerator
+
+    stats = loss_fn.stats()
+    keys = sorted(stats)
+    t = torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64,
+                     device=get_accelerator().current_device_name())
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return family.derive_metrics(dict(zip(keys, t.tolist())))
 
 
 def evaluate(engine, loss_fn, cfg: RunConfig, grid, dataset, device) -> float:
@@ -203,8 +220,8 @@ def evaluate(engine, loss_fn, cfg: RunConfig, grid, dataset, device) -> float:
     tr, gas = cfg.training, cfg.gradient_accumulation_steps
     total = 0.0
     for it in range(tr.eval_iters):
-        batches = [tuple(t.to(device) for t in micro_batch(dataset, it, m, micro_batch_size=tr.micro_batch_size,
-                                                            accumulation=gas, dp_rank=grid.dp_rank, dp=grid.dp))
+        batches = [to_device(micro_batch(dataset, it, m, micro_batch_size=tr.micro_batch_size, accumulation=gas,
+                                         dp_rank=grid.dp_rank, dp=grid.dp), device)
                    for m in range(gas)]
         if grid.pp > 1:
             total += float(engine.eval_batch(data_iter=iter(batches)))  # averaged over micro-batches and DP
@@ -239,12 +256,15 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
 
     from zoo.data.synthetic import micro_batch
     from zoo.training import checkpoint as ckpt
-    from zoo.training.metrics import device_name, peak_memory_gb, peak_tflops, training_flops_per_token
+    from zoo.training.metrics import device_name, peak_memory_gb, peak_tflops
 
     tr = cfg.training
+    family = get_family(cfg.model.family)
     out = Path(cfg.out)
     data = data or build_data(cfg, model_cfg, grid)
-    engine, loss_fn = build_engine(cfg, model_cfg, grid, universal=resume is not None and universal)
+    init_dir = prepare_init(cfg, grid) if resume is None else None  # a resumed run has its own weights
+    engine, loss_fn = build_engine(cfg, model_cfg, grid, universal=resume is not None and universal,
+                                   init_dir=init_dir)
     device = get_accelerator().current_device_name()
     gas = cfg.gradient_accumulation_steps
     start = 0
@@ -257,9 +277,8 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
 
     def batches(step):
         for m in range(gas):
-            ids, labels = micro_batch(data.train, step, m, micro_batch_size=tr.micro_batch_size, accumulation=gas,
-                                      dp_rank=grid.dp_rank, dp=grid.dp)
-            yield ids.to(device), labels.to(device)
+            yield to_device(micro_batch(data.train, step, m, micro_batch_size=tr.micro_batch_size,
+                                        accumulation=gas, dp_rank=grid.dp_rank, dp=grid.dp), device)
 
     metrics = MetricsWriter(out, grid.rank == 0, resume_step=start if resume is not None else None)
     meta = {"layout": {"tp": grid.tp, "pp": grid.pp, "dp": grid.dp, "zero_stage": cfg.parallel.zero_stage},
@@ -267,7 +286,7 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
             "model": model_cfg.to_dict(), "tokenizer": data.tokenizer_dir}
 
     def save(step):
-        client_state = {"iteration": step, "universal_checkpoint_info": ckpt.universal_checkpoint_info(model_cfg)}
+        client_state = {"iteration": step, "universal_checkpoint_info": family.universal_checkpoint_info(model_cfg)}
         path = ckpt.save_checkpoint(engine, out / ckpt.CHECKPOINTS, step, meta, client_state,
                                     keep_last=tr.keep_last or None)
         if grid.rank == 0:
@@ -278,15 +297,20 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
     def run_eval(step):
         if data.valid is None or not tr.eval_interval:
             return
+        reduced_stats(loss_fn, family)  # drop sums left from training steps
         val = evaluate(engine, loss_fn, cfg, grid, data.valid, device)
         val_losses.append((step, val))
-        metrics.write({"step": step, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))}, prefix="val")
+        extra = {f"val_{k}": v for k, v in reduced_stats(loss_fn, family).items()}
+        record = {"step": step, "val_loss": val, **({"val_ppl": math.exp(min(val, 50.0))} if family.unit == "tokens"
+                                                    else {}), **extra}
+        metrics.write(record, prefix="val")
         if grid.rank == 0:
-            log(f"step {step}/{tr.steps} | validation loss {val:.4f} | perplexity {math.exp(min(val, 50.0)):.2f}")
+            shown = " | ".join(f"{k} {v:.4g}" for k, v in record.items() if k not in ("step", "val_loss"))
+            log(f"step {step}/{tr.steps} | validation loss {val:.4f}" + (f" | {shown}" if shown else ""))
 
-    tokens_per_step = cfg.global_batch_size * tr.seq_length
-    flops_per_step = tokens_per_step * training_flops_per_token(model_cfg, tr.seq_length,
-                                                                cfg.parallel.activation_checkpointing)
+    units_per_step = cfg.global_batch_size * family.units_per_sample(cfg)
+    flops_per_sample = family.training_flops_per_sample(cfg, model_cfg)
+    flops_per_step = None if flops_per_sample is None else cfg.global_batch_size * flops_per_sample
     peak = peak_tflops(device_name(), tr.precision)
     losses, t_start = [], time.perf_counter()
     bar = None
@@ -318,22 +342,24 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
         dt = time.perf_counter() - t0
         losses.append(loss)
         grad_norm = engine.get_global_grad_norm()
-        tflops = flops_per_step / dt / grid.world_size / 1e12
+        tflops = None if flops_per_step is None else flops_per_step / dt / grid.world_size / 1e12
+        rate = units_per_step / dt
         record = {"step": step + 1, "loss": loss, "lr": lr,
                   "grad_norm": None if grad_norm is None else float(grad_norm),
-                  "tokens_per_s": tokens_per_step / dt, "tflops_per_device": tflops,
-                  "mfu": None if peak is None else tflops / peak, "peak_memory_gb": peak_memory_gb(),
-                  "step_time_s": dt}
+                  f"{family.unit}_per_s": rate, "tflops_per_device": tflops,
+                  "mfu": None if peak is None or tflops is None else tflops / peak,
+                  "peak_memory_gb": peak_memory_gb(), "step_time_s": dt, **reduced_stats(loss_fn, family)}
         metrics.write(record)
         done = step + 1
         if bar is not None:
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
             bar.update(1)
         if grid.rank == 0 and (done % tr.log_interval == 0 or done == tr.steps):
             elapsed = time.perf_counter() - t_start
             eta = elapsed / (done - start) * (tr.steps - done)
-            log(f"step {done}/{tr.steps} | loss {loss:.4f} | lr {record['lr']:.2e} | "
-                f"{record['tokens_per_s']:.0f} tok/s | {tflops:.3f} TFLOP/s/device | ETA {eta:.0f}s")
+            speed = f"{rate:.0f} {'tok' if family.unit == 'tokens' else 'samples'}/s"
+            flops = "" if tflops is None else f" | {tflops:.3f} TFLOP/s/device"
+            log(f"step {done}/{tr.steps} | loss {loss:.4f} | lr {record['lr']:.2e} | {speed}{flops} | ETA {eta:.0f}s")
         if tr.eval_interval and (done % tr.eval_interval == 0 or done == tr.steps):
             run_eval(done)
         if tr.save and ((tr.save_interval and done % tr.save_interval == 0) or done == tr.steps):
@@ -365,6 +391,9 @@ def parse_args(argv=None):
     p.add_argument("--save-interval", type=int, metavar="N",
                    help="checkpoint every N steps into OUT/checkpoints (the last step is always saved)")
     p.add_argument("--out", help="output folder: config.yaml, metrics.jsonl, tb/, loss.png, checkpoints/, model/")
+    p.add_argument("--init", metavar="DIR",
+                   help="start from these weights: a zoo model folder (launch/convert.py hf-to-zoo, or a run's model/) "
+                        "or a HuggingFace folder / Hub id (converted on the fly); the model config comes from it")
     p.add_argument("--load", metavar="DIR",
                    help="resume from a run folder (or its checkpoints/ folder): model, optimizer, LR schedule, step, "
                         "RNG and data position; another tp/pp/dp goes through DeepSpeed's universal checkpoint. "
@@ -381,7 +410,7 @@ def config_from_args(args) -> RunConfig:
     overrides = list(args.set)
     for flag, key in (("tp", "parallel.tp"), ("pp", "parallel.pp"), ("zero", "parallel.zero_stage"),
                       ("steps", "training.steps"), ("eval_interval", "training.eval_interval"),
-                      ("save_interval", "training.save_interval"), ("out", "out")):
+                      ("save_interval", "training.save_interval"), ("init", "training.init_from"), ("out", "out")):
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{key}={value}")
@@ -426,29 +455,6 @@ def resume_plan(cfg: RunConfig, model_cfg, args):
     return found, universal
 
 
-def print_sample(model_dir: Path, log, prompt: str = "The ", max_new_tokens: int = 48) -> None:
-    """Greedy continuation of ``prompt`` by the exported model, in this process alone (any training layout).
-
-    Reading the exported folder back also proves the export: what is printed comes from the files on disk.
-    """
-    from zoo.convert.io import load_model, read_config
-    from zoo.data.tokenizer import load_tokenizer
-    from zoo.models.generate import Generator, SamplingOptions
-    from zoo.models.gpt import GPTConfig, ParallelOptions, layer_specs
-    from zoo.models.specs import SpecSequential
-
-    _, config = read_config(model_dir)
-    model_cfg = GPTConfig.from_dict(config)
-    model = SpecSequential(layer_specs(model_cfg, ParallelOptions()))
-    load_model(model_dir, model)
-    model.eval()
-    tok = load_tokenizer(model_dir)
-    ids = torch.tensor([tok.encode(prompt)])
-    out = Generator(model).generate(ids, max_new_tokens=max_new_tokens, sampling=SamplingOptions(greedy=True),
-                                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    log("sample (greedy): " + repr(prompt + tok.decode(out.tokens[0, ids.shape[1]:].tolist())))
-
-
 def main(argv=None) -> int:
     from zoo.convert.io import save_model
     from zoo.parallel.topology import destroy_model_parallel, initialize_model_parallel
@@ -469,7 +475,8 @@ def main(argv=None) -> int:
     out = Path(cfg.out)
     say = lambda s: print(s, flush=True)  # noqa: E731
     if grid.rank == 0:
-        say(f"zoo: {model_cfg.num_parameters() / 1e6:.2f}M parameters | tp={grid.tp} pp={grid.pp} dp={grid.dp} "
+        count = model_cfg.num_parameters() if hasattr(model_cfg, "num_parameters") else float("nan")
+        say(f"zoo: {cfg.model.family} {count / 1e6:.2f}M parameters | tp={grid.tp} pp={grid.pp} dp={grid.dp} "
             f"zero={cfg.parallel.zero_stage} | global batch {cfg.global_batch_size} x {cfg.training.seq_length} "
             f"tokens | {cfg.training.precision} | data: {cfg.data.source}")
         out.mkdir(parents=True, exist_ok=True)
@@ -493,6 +500,6 @@ def main(argv=None) -> int:
     finally:
         is_rank0 = grid.rank == 0
         destroy_model_parallel()
-    if is_rank0 and cfg.training.save and not args.no_sample and data.tokenizer_dir is not None:
-        print_sample(out / "model", say)
+    if is_rank0 and cfg.training.save and not args.no_sample:
+        get_family(cfg.model.family).after_training(out / "model", say)
     return 0

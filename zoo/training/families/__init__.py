@@ -1,0 +1,108 @@
+"""What the training run needs to know about a model family, behind one small interface.
+
+``launch/train.py`` is the same loop for every family (GPT, BERT, U-Nets): it asks the family for the model's layer
+specs, its loss, its data, its FLOP count and how DeepSpeed's universal checkpoint splits its parameters. Each
+family lives in its own module here and is imported only when a run names it (``model.family`` in the config).
+
+A batch is whatever the family's dataset returns per sample, stacked: a tensor of ``seq_length + 1`` tokens (GPT:
+inputs and labels are its shifts), or a pair ``(inputs, labels)`` whose parts are tensors or tuples of tensors
+(``(input_ids, token_type_ids, attention_mask)`` for BERT). The loss object may also keep running sums of extra
+metrics (``stats()``: e.g. correct and total masked tokens), which the loop reduces over all ranks and turns into
+ratios with ``derive_metrics``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+# family name -> module defining FAMILY
+REGISTRY = {"gpt": "zoo.training.families.gpt", "bert": "zoo.training.families.bert",
+            "unet-seg": "zoo.training.families.unet", "unet-diffusion": "zoo.training.families.unet"}
+
+
+@dataclass
+class Data:
+    train: Any
+    valid: Any | None
+    tokenizer_dir: str | None = None
+
+
+class Family:
+    """Base class: a family overrides what differs. ``config`` below is the family's model config dataclass."""
+
+    name = "?"
+    config_class: type = None
+    checkpointable_layers: tuple[str, ...] = ()
+    unit = "tokens"  # what throughput counts ("tokens" or "samples")
+
+    def build_config(self, preset: str | None, overrides: dict):
+        if preset is None:
+            return self.config_class.from_dict(overrides)
+        return self.config_class.from_preset(preset, **overrides)
+
+    def config_from_dict(self, d: dict):
+        return self.config_class.from_dict(d)
+
+    def config_from_init(self, src: str, overrides: dict):
+        """(model config, tokenizer folder or None) of a folder to initialize from that is not a zoo folder."""
+        raise ValueError(f"{src} is not a zoo model folder; the {self.name} family imports only zoo folders here "
+                         f"(convert it first with launch/convert.py hf-to-zoo)")
+
+    def import_folder(self, src: str, out) -> None:
+        """Convert ``src`` (accepted by ``config_from_init``) into the zoo model folder ``out``."""
+        raise ValueError(f"the {self.name} family cannot import {src}")
+
+    def layer_specs(self, config, sequence_parallel: bool) -> list:
+        raise NotImplementedError
+
+    def loss(self, config):
+        raise NotImplementedError
+
+    def validate(self, cfg, config) -> None:
+        """Family-specific checks of the run config (sequence length, data, tokenizer); raise ValueError."""
+
+    def build_data(self, cfg, config, grid) -> Data:
+        raise NotImplementedError
+
+    def units_per_sample(self, cfg) -> int:
+        return cfg.training.seq_length
+
+    def training_flops_per_sample(self, cfg, config) -> float | None:
+        return None
+
+    def universal_checkpoint_info(self, config) -> dict:
+        raise NotImplementedError
+
+    def derive_metrics(self, stats: dict) -> dict:
+        return {}
+
+    def after_training(self, model_dir, log) -> None:
+        """Anything shown at the end from the exported model (a text sample, an image grid); global rank 0 alone."""
+
+
+def get_family(name: str) -> Family:
+    if name not in REGISTRY:
+        raise ValueError(f"model.family {name!r} is not known; families: {sorted(REGISTRY)}")
+    try:
+        module = importlib.import_module(REGISTRY[name])
+    except ModuleNotFoundError as e:
+        raise ValueError(f"model.family {name!r} is not available in this version ({e.name} missing)") from None
+    return module.FAMILIES[name] if hasattr(module, "FAMILIES") else module.FAMILY
+
+
+def collate(samples: list):
+    """Stack samples that are tensors, or (nested) tuples of tensors, element by element."""
+    import torch
+
+    first = samples[0]
+    if isinstance(first, (tuple, list)):
+        return tuple(collate([s[i] for s in samples]) for i in range(len(first)))
+    return torch.stack(samples)
+
+
+def to_device(batch, device):
+    if isinstance(batch, (tuple, list)):
+        return tuple(to_device(b, device) for b in batch)
+    return batch.to(device)

@@ -1,0 +1,156 @@
+"""The GPT family in the training run: next-token prediction on packed token windows (zoo/models/gpt.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from zoo.training.families import Data, Family
+
+SOURCES = ("embedded", "indexed", "synthetic")
+
+
+class GPTFamily(Family):
+    name = "gpt"
+    checkpointable_layers = ("GPTBlock",)
+
+    @property
+    def config_class(self):
+        from zoo.models.gpt import GPTConfig
+
+        return GPTConfig
+
+    def config_from_init(self, src, overrides):
+        from zoo.convert import io
+        from zoo.convert.hf_gpt import gpt_config_from_hf, read_hf_config, resolve_hf_folder
+
+        folder = resolve_hf_folder(src)
+        arch, hf_config = read_hf_config(folder)
+        config = self.config_class.from_dict({**gpt_config_from_hf(arch, hf_config).to_dict(), **overrides})
+        has_tokenizer = any((folder / name).is_file() for name in io.TOKENIZER_FILES[:2])
+        return config, str(folder) if has_tokenizer else None
+
+    def import_folder(self, src, out):
+        from zoo.convert.hf_gpt import hf_to_zoo
+
+        hf_to_zoo(src, out)
+
+    def layer_specs(self, config, sequence_parallel):
+        from zoo.models.gpt import ParallelOptions, layer_specs
+
+        return layer_specs(config, ParallelOptions(sequence_parallel=sequence_parallel))
+
+    def loss(self, config):
+        from zoo.models.gpt import GPTLoss
+
+        return GPTLoss(config)
+
+    def training_flops_per_sample(self, cfg, config):
+        from zoo.training.metrics import training_flops_per_token
+
+        seq = cfg.training.seq_length
+        return seq * training_flops_per_token(config, seq, cfg.parallel.activation_checkpointing)
+
+    def universal_checkpoint_info(self, config):
+        from zoo.training.checkpoint import universal_checkpoint_info
+
+        return universal_checkpoint_info(config)
+
+    def validate(self, cfg, model) -> None:
+        """Data problems found by opening files (cheap: indexes are memory-mapped), before any process group."""
+        data, tr = cfg.data, cfg.training
+        if tr.seq_length > model.max_position_embeddings:
+            raise ValueError(f"training.seq_length {tr.seq_length} exceeds the model's max_position_embeddings "
+                             f"{model.max_position_embeddings}")
+        if data.source not in SOURCES:
+            raise ValueError(f"data.source {data.source!r} is not available for GPT; supported: {list(SOURCES)}")
+        if not 0.0 <= data.valid_fraction < 1.0:
+            raise ValueError(f"data.valid_fraction must be in [0, 1), got {data.valid_fraction}")
+        if data.source == "indexed":
+            if not data.paths:
+                raise ValueError("data.source indexed needs data.paths (prefixes of .bin/.idx files written by "
+                                 "launch/preprocess.py), e.g. --set data.paths=[data/my-corpus]")
+            from zoo.data.gpt_dataset import parse_blend
+            from zoo.data.indexed import IndexedDataset
+
+            try:
+                prefixes = parse_blend([str(p) for p in data.paths])[1]
+                prefixes += parse_blend([str(p) for p in data.valid_paths])[1] if data.valid_paths else []
+                for prefix in prefixes:
+                    ds = IndexedDataset(prefix)
+                    if len(ds) == 0 or int(ds.sizes.sum()) == 0:
+                        raise ValueError(f"{prefix}.bin/.idx holds no tokens; preprocess a non-empty input with "
+                                         f"launch/preprocess.py")
+            except ValueError as e:
+                raise ValueError(f"data: {e}") from None
+        if data.tokenizer is not None:
+            from zoo.data.tokenizer import load_tokenizer
+
+            try:
+                n = len(load_tokenizer(data.tokenizer))
+            except (OSError, ValueError) as e:
+                raise ValueError(f"data.tokenizer: {e}") from None
+            if n > model.vocab_size:
+                raise ValueError(f"tokenizer {data.tokenizer} has {n} tokens but the model's vocab_size is "
+                                 f"{model.vocab_size}; set model.vocab_size >= {n} (e.g. --set model.vocab_size={n})")
+        if data.source == "embedded":
+            n = data.tokenizer_vocab_size or model.vocab_size
+            if n > model.vocab_size:
+                raise ValueError(f"data.tokenizer_vocab_size {n} exceeds the model's vocab_size {model.vocab_size}; "
+                                 f"lower it or raise model.vocab_size")
+            if n < 257:
+                raise ValueError(f"a byte-level BPE needs at least 257 tokens, got vocabulary {n}; "
+                                 f"set model.vocab_size (or data.tokenizer_vocab_size) >= 257")
+
+    def build_data(self, cfg, model, grid) -> Data:
+        """Training and validation samples; the embedded corpus is prepared once, by global rank 0."""
+        from zoo.data.synthetic import SyntheticTokens
+        from zoo.parallel.shards import barrier
+
+        data, tr = cfg.data, cfg.training
+        if data.source == "synthetic":
+            return Data(SyntheticTokens(model.vocab_size, tr.seq_length, seed=tr.seed),
+                        SyntheticTokens(model.vocab_size, tr.seq_length, seed=tr.seed + 1), data.tokenizer)
+        from zoo.data.gpt_dataset import build_gpt_datasets, prepare_embedded_corpus
+
+        tokenizer, paths = data.tokenizer, data.paths
+        if data.source == "embedded":
+            cache = Path(os.path.expanduser(data.cache_dir))
+            vocab = data.tokenizer_vocab_size or model.vocab_size
+            if grid.rank == 0:
+                prepare_embedded_corpus(cache, vocab)
+            barrier()
+            prepared = prepare_embedded_corpus(cache, vocab)  # finished files exist now: just reads the marker
+            tokenizer, paths = tokenizer or prepared["tokenizer"], [prepared["prefix"]]
+        train, valid = build_gpt_datasets([str(p) for p in paths], tr.seq_length, tr.seed,
+                                          valid_fraction=data.valid_fraction,
+                                          valid_paths=[str(p) for p in data.valid_paths] if data.valid_paths else None)
+        return Data(train, valid, tokenizer)
+
+    def after_training(self, model_dir, log, prompt: str = "The ", max_new_tokens: int = 48) -> None:
+        """Greedy continuation of ``prompt`` by the exported model, in this process alone (any training layout).
+
+        Reading the exported folder back also proves the export: what is printed comes from the files on disk.
+        """
+        import torch
+
+        from zoo.convert.io import load_model, read_config
+        from zoo.data.tokenizer import load_tokenizer
+        from zoo.models.generate import Generator, SamplingOptions
+        from zoo.models.gpt import GPTConfig, ParallelOptions, layer_specs
+        from zoo.models.specs import SpecSequential
+
+        if not any((Path(model_dir) / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
+            return  # trained without a tokenizer (synthetic tokens): nothing to show as text
+        _, config = read_config(model_dir)
+        model = SpecSequential(layer_specs(GPTConfig.from_dict(config), ParallelOptions()))
+        load_model(model_dir, model)
+        model.eval()
+        tok = load_tokenizer(model_dir)
+        ids = torch.tensor([tok.encode(prompt)])
+        out = Generator(model).generate(ids, max_new_tokens=max_new_tokens, sampling=SamplingOptions(greedy=True),
+                                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        log("sample (greedy): " + repr(prompt + tok.decode(out.tokens[0, ids.shape[1]:].tolist())))
+
+
+FAMILY = GPTFamily()
