@@ -19,7 +19,8 @@ from typing import Any
 
 # family name -> module defining FAMILY
 REGISTRY = {"gpt": "zoo.training.families.gpt", "bert": "zoo.training.families.bert",
-            "unet-seg": "zoo.training.families.unet", "unet-diffusion": "zoo.training.families.unet"}
+            "bert-classifier": "zoo.training.families.bert", "unet-seg": "zoo.training.families.unet",
+            "unet-diffusion": "zoo.training.families.unet"}
 
 
 @dataclass
