@@ -71,7 +71,7 @@ def prepare_init(cfg: RunConfig, grid) -> Path | None:
 def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False, init_dir: Path | None = None):
     import deepspeed
 
-    from zoo.models.specs import SpecSequential, build_pipeline
+    from zoo.models.specs import SpecSequential
     from zoo.parallel.grad_norm import clip_grad_norm_
     from zoo.parallel.random import configure_activation_checkpointing, model_parallel_seed
     from zoo.training.families import get_family
@@ -82,9 +82,7 @@ def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False, init_
     specs = family.layer_specs(model_cfg, par.sequence_parallel)
     loss_fn = family.loss(model_cfg)
     if grid.pp > 1:
-        module = build_pipeline(specs, grid, loss_fn=loss_fn, base_seed=tr.seed, partition_method=par.partition_method,
-                                activation_checkpointing=par.activation_checkpointing,
-                                checkpointable_layers=family.checkpointable_layers)
+        module = family.build_pipeline(model_cfg, specs, grid, loss_fn=loss_fn, cfg=cfg)
         mpu = None  # the PipelineModule brings its own grid (same topology)
     else:
         module = SpecSequential(specs, base_seed=tr.seed, activation_checkpointing=par.activation_checkpointing,

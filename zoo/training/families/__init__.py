@@ -61,6 +61,15 @@ class Family:
     def loss(self, config):
         raise NotImplementedError
 
+    def build_pipeline(self, config, specs, grid, *, loss_fn, cfg):
+        """The ``PipelineModule`` for pp > 1 (DeepSpeed's own, partitioned by ``parallel.partition_method``)."""
+        from zoo.models.specs import build_pipeline
+
+        par = cfg.parallel
+        return build_pipeline(specs, grid, loss_fn=loss_fn, base_seed=cfg.training.seed,
+                              partition_method=par.partition_method, activation_checkpointing=par.activation_checkpointing,
+                              checkpointable_layers=self.checkpointable_layers)
+
     def validate(self, cfg, config) -> None:
         """Family-specific checks of the run config (sequence length, data, tokenizer); raise ValueError."""
 
