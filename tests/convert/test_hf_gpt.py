@@ -1,7 +1,8 @@
-"""HuggingFace <-> zoo for GPT-2, Llama and Mistral: logits equal at every layout, round trips bit-exact.
+"""HuggingFace <-> zoo for GPT-2, Llama, Mistral and Qwen2: logits equal at every layout, round trips bit-exact.
 
 Small random HF models (with a tiny byte-level BPE tokenizer) are saved in a temporary folder, imported with
-``hf_to_zoo`` and checked with ``verify`` in one 4-rank gloo pool at (tp, pp) in {(1,1), (2,1), (1,2), (2,2)};
+``hf_to_zoo`` and checked with ``verify`` in one 4-rank gloo pool at (tp, pp) in {(1,1), (2,1), (1,2), (2,2)}
+(Qwen2 at (1,1) and (2,2));
 one torchrun run of ``launch/convert.py verify`` at tp=3 (a 9-query, 3-key-value-head model) checks the command
 end to end.
 """
@@ -70,10 +71,17 @@ def hf_gpt2(**overrides):
 
 
 def hf_llama(tied=False, heads=4, kv_heads=2, hidden=64, intermediate=176, arch="llama", **overrides):
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
-    config_cls, model_cls = (MistralConfig, MistralForCausalLM) if arch == "mistral" else \
-        (LlamaConfig, LlamaForCausalLM)
+    config_cls, model_cls = {"mistral": (MistralConfig, MistralForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                             "llama": (LlamaConfig, LlamaForCausalLM)}[arch]
     rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8, "rope_theta": 5000.0} if not tied else \
         {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
@@ -89,8 +97,13 @@ CASES = {
     "llama-tied": lambda: hf_llama(tied=True),
     "mistral": lambda: hf_llama(arch="mistral", sliding_window=None),
     "llama-9q3kv": lambda: hf_llama(heads=9, kv_heads=3, hidden=72, intermediate=96),
+    # Qwen2: q/k/v biases (zoo's qkv_bias), GQA, its usual RoPE theta; the sliding window off as in its releases.
+    "qwen2": lambda: hf_llama(arch="qwen2", rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                              use_sliding_window=False),
+    "qwen2-tied": lambda: hf_llama(arch="qwen2", tied=True, kv_heads=1, use_sliding_window=False),
 }
 LAYOUT_CASES = ["gpt2", "llama-untied", "llama-tied"]
+QWEN2_LAYOUTS = [(1, 1), (2, 2)]  # Qwen2 differs from Llama by its biases only: two layouts suffice
 
 
 def save_hf(model, folder: Path, seed: int = 0, **kwargs) -> Path:
@@ -132,7 +145,7 @@ def assert_error(capsys, pattern: str, *argv) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama-untied", "llama-tied"])
+@pytest.mark.parametrize("name", ["gpt2", "llama-untied", "llama-tied", "qwen2", "qwen2-tied"])
 def test_tables_cover_the_checkpoint_and_invert(name):
     """Every HF tensor is read once, with the shape the table expects; to_hf(to_zoo(x)) gives x back exactly."""
     from zoo.convert.hf_gpt import gpt_config_from_hf
@@ -167,11 +180,12 @@ def verify_cases(pairs, tp, pp):
 
 def test_verify_every_layout(hf_dirs, zoo_dirs, dist_run):
     """One pool of 4 ranks serves every layout (dp = 4 / (tp x pp) replicas; rank 0's replica is compared)."""
-    pairs = [(str(hf_dirs[n]), str(zoo_dirs[n])) for n in LAYOUT_CASES]
     for tp, pp in LAYOUTS:
+        names = LAYOUT_CASES + (["qwen2"] if (tp, pp) in QWEN2_LAYOUTS else [])
+        pairs = [(str(hf_dirs[n]), str(zoo_dirs[n])) for n in names]
         per_rank = dist_run(4, verify_cases, pairs, tp, pp)
         assert all(r == per_rank[0] for r in per_rank)  # every rank returns rank 0's number
-        for name, diff in zip(LAYOUT_CASES, per_rank[0]):
+        for name, diff in zip(names, per_rank[0]):
             assert diff < TOL, f"{name} at tp={tp} pp={pp}: max |logit diff| {diff}"
 
 
@@ -215,7 +229,8 @@ def hf_tensors(folder: Path) -> dict:
 
 
 @pytest.mark.parametrize("name,dtype,shard", [("gpt2", None, None), ("llama-untied", None, "40KB"),
-                                              ("llama-tied", "bf16", None)])
+                                              ("llama-tied", "bf16", None), ("qwen2", None, "40KB"),
+                                              ("qwen2-tied", "bf16", None)])
 def test_round_trip_bit_exact_and_same_generation(name, dtype, shard, hf_dirs, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -223,6 +238,8 @@ def test_round_trip_bit_exact_and_same_generation(name, dtype, shard, hf_dirs, t
     extra = (["--dtype", dtype] if dtype else []) + (["--max-shard-size", shard] if shard else [])
     assert run_cli(capsys, "hf-to-zoo", "--src", src, "--out", zoo, *extra)[0] == 0
     assert run_cli(capsys, "zoo-to-hf", "--src", zoo, "--out", out, *extra)[0] == 0
+    # generation_config.json went into the zoo folder with the weights (before it was published), unchanged
+    assert (zoo / "generation_config.json").read_bytes() == (src / "generation_config.json").read_bytes()
     if shard:  # both folders sharded, with an index
         assert (zoo / io.INDEX_FILE).is_file() and (out / "model.safetensors.index.json").is_file()
     assert {"config.json", "generation_config.json", "tokenizer.json", "README.md"} <= {p.name for p in out.iterdir()}
@@ -311,17 +328,21 @@ def edited_copy(folder: Path, dst: Path, **config) -> Path:
 
 def test_bad_input(hf_dirs, zoo_dirs, tmp_path, capsys):
     out = tmp_path / "out"
-    supported = "supported: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM"
+    supported = "supported: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"
     bert = edited_copy(hf_dirs["gpt2"], tmp_path / "bert", architectures=["BertForMaskedLM"], model_type="bert")
     assert_error(capsys, f"architecture BertForMaskedLM is not supported; {supported}", "hf-to-zoo", "--src", bert,
                  "--out", out)
-    from transformers import Qwen2Config
-
-    Qwen2Config(architectures=["Qwen2ForCausalLM"]).save_pretrained(tmp_path / "qwen2")
-    assert_error(capsys, "Qwen2ForCausalLM is not supported yet: .*qkv_bias", "hf-to-zoo", "--src", tmp_path / "qwen2",
-                 "--out", out)
     window = edited_copy(hf_dirs["mistral"], tmp_path / "window", sliding_window=16)
     assert_error(capsys, "sliding_window 16 < max_position_embeddings 64", "hf-to-zoo", "--src", window, "--out", out)
+    # Qwen2 slides only in the layers its layer_types say (those from max_window_layers on).
+    qwen_window = edited_copy(hf_dirs["qwen2"], tmp_path / "qwen-window", use_sliding_window=True, sliding_window=16,
+                              layer_types=["full_attention", "sliding_attention"])
+    assert_error(capsys, "Qwen2ForCausalLM: sliding_window 16 < max_position_embeddings 64", "hf-to-zoo", "--src",
+                 qwen_window, "--out", out)
+    qwen_full = edited_copy(hf_dirs["qwen2"], tmp_path / "qwen-full", use_sliding_window=True, sliding_window=16,
+                            max_window_layers=2, layer_types=["full_attention", "full_attention"])
+    assert run_cli(capsys, "hf-to-zoo", "--src", qwen_full, "--out", tmp_path / "qwen-full-zoo")[0] == 0
+    assert io.read_config(tmp_path / "qwen-full-zoo")[1]["qkv_bias"] is True
     act = edited_copy(hf_dirs["gpt2"], tmp_path / "relu", activation_function="relu")
     assert_error(capsys, "activation_function 'relu' is not supported", "hf-to-zoo", "--src", act, "--out", out)
     biased = edited_copy(hf_dirs["llama-tied"], tmp_path / "biased", attention_bias=True)

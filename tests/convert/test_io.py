@@ -1,11 +1,24 @@
 """The layout-free model folder: written from any layout, read into any layout, bit-exact, only local slices."""
 
 import json
+import struct
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-from zoo.convert.io import CheckpointError, iter_tensors, load_model, read_config, save_model, write_model_folder
+from zoo.convert.io import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    CheckpointError,
+    ShardedWriter,
+    iter_tensors,
+    load_model,
+    read_config,
+    save_model,
+    write_model_folder,
+)
 
 
 def build(preset, tp, pp, seed=7, **overrides):
@@ -83,3 +96,104 @@ def test_bad_folders(tmp_path):
     with pytest.raises(CheckpointError, match="lacks"):
         load_model(tmp_path / "partial", module)
     assert not list(tmp_path.glob(".*tmp"))  # no staging folders left behind
+
+
+def mixed_tensors():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w.fp32": torch.randn(6, 5, generator=g),
+        "w.bf16": torch.randn(7, 3, generator=g).to(torch.bfloat16),
+        "ids.int64": torch.randint(-10**12, 10**12, (5,), generator=g),
+        "w.fp16": torch.randn(3, 3, generator=g).to(torch.float16),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 4),
+        "transposed": torch.randn(4, 9, generator=g).t(),  # not contiguous: stored as its values
+        "mask.bool": torch.tensor([True, False, True]),
+        "odd.int8": torch.arange(-3, 4, dtype=torch.int8),  # 7 bytes: what follows must still be aligned
+    }
+
+
+@pytest.mark.parametrize("max_bytes", [10**9, 100], ids=["one-file", "sharded"])
+def test_sharded_writer_matches_save_file(tmp_path, max_bytes):
+    """Streamed to disk tensor by tensor, the files hold what safetensors' own save_file stores, bit for bit."""
+    tensors = mixed_tensors()
+    writer = ShardedWriter(tmp_path, prefix="part", max_shard_bytes=max_bytes)
+    for name, t in tensors.items():
+        writer.add(name, t)
+    mapping = writer.close()
+    assert sorted(mapping) == sorted(tensors)
+    assert writer.total_bytes == sum(t.numel() * t.element_size() for t in tensors.values())
+    files = sorted(set(mapping.values()))
+    assert len(files) == 1 if max_bytes > 10**6 else len(files) > 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == files  # the temporary data files are gone
+    save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp_path / "ref.st"), metadata={"format": "pt"})
+    with safe_open(tmp_path / "ref.st", "pt") as ref:
+        for fname in files:
+            raw = (tmp_path / fname).read_bytes()
+            n = struct.unpack("<Q", raw[:8])[0]
+            assert n % 8 == 0 and raw[8:8 + n].rstrip(b" ").endswith(b"}")  # the data starts 8-aligned
+            header = json.loads(raw[8:8 + n])
+            assert header.pop("__metadata__") == {"format": "pt"}
+            end = 0
+            for info in sorted(header.values(), key=lambda i: i["data_offsets"]):  # packed, each at its alignment
+                begin, stop = info["data_offsets"]
+                assert begin == end and begin % {"I64": 8, "F32": 4, "BF16": 2, "F16": 2}.get(info["dtype"], 1) == 0
+                end = stop
+            assert 8 + n + end == len(raw)
+            with safe_open(tmp_path / fname, "pt") as f:
+                assert f.metadata() == {"format": "pt"}
+                for key in f.keys():
+                    assert mapping[key] == fname
+                    got, want = f.get_tensor(key), ref.get_tensor(key)
+                    assert got.dtype == want.dtype and got.shape == want.shape, key
+                    assert torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)), key
+    dup = ShardedWriter(tmp_path, prefix="dup")
+    dup.add("a", torch.ones(1))
+    with pytest.raises(ValueError, match="written twice"):
+        dup.add("a", torch.ones(1))
+
+
+def test_write_model_folder_extra_files_and_shards(tmp_path):
+    tensors = mixed_tensors()
+    folder = write_model_folder(tmp_path / "m", "gpt", {"x": 1}, tensors.items(), max_shard_bytes=64,
+                                extra_files={"generation_config.json": '{"eos_token_id": 0}', "notes.bin": b"\x00\x01"})
+    assert (folder / INDEX_FILE).is_file() and not (folder / SINGLE_FILE).exists()
+    assert json.loads((folder / "generation_config.json").read_text()) == {"eos_token_id": 0}
+    assert (folder / "notes.bin").read_bytes() == b"\x00\x01"
+    back = dict(iter_tensors(folder))
+    assert sorted(back) == sorted(tensors)
+    for k, t in tensors.items():
+        assert back[k].dtype == t.dtype and torch.equal(back[k], t), k
+    single = write_model_folder(tmp_path / "one", "gpt", {"x": 1}, tensors.items())
+    assert (single / SINGLE_FILE).is_file() and not (single / INDEX_FILE).exists()
+    for bad in ("../escape.json", "sub/file.json", "config.json", "model.safetensors"):
+        with pytest.raises(ValueError, match="extra file"):
+            write_model_folder(tmp_path / "bad", "gpt", {}, [], extra_files={bad: "x"})
+    assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".*"))
+
+
+def test_sharded_writer_copies_by_hand_where_the_kernel_cannot(tmp_path, monkeypatch):
+    """``os.copy_file_range`` may fail part way (or not exist): the copy goes on through a buffer, same file."""
+    import os
+
+    real = os.copy_file_range
+
+    def flaky(src, dst, count, offset_src=None, offset_dst=None):
+        if flaky.calls:
+            raise OSError(18, "Invalid cross-device link")
+        flaky.calls += 1
+        return real(src, dst, min(count, 5), offset_src, offset_dst)
+
+    flaky.calls = 0
+    tensors = mixed_tensors()
+    for folder, patch in ((tmp_path / "kernel", False), (tmp_path / "by-hand", True)):
+        if patch:
+            monkeypatch.setattr(os, "copy_file_range", flaky)
+        folder.mkdir()
+        writer = ShardedWriter(folder)
+        for name, t in tensors.items():
+            writer.add(name, t)
+        writer.close()
+    assert flaky.calls == 1
+    assert (tmp_path / "kernel" / "model-00001.safetensors").read_bytes() == \
+        (tmp_path / "by-hand" / "model-00001.safetensors").read_bytes()

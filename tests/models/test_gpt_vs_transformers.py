@@ -1,6 +1,7 @@
 """zoo's GPT computes what HuggingFace transformers computes, given the same weights.
 
-Each test builds a small HF model with random weights (GPT2LMHeadModel or LlamaForCausalLM), copies them into
+Each test builds a small HF model with random weights (GPT2LMHeadModel, LlamaForCausalLM or Qwen2ForCausalLM:
+Llama with q/k/v biases, zoo's ``add_bias=False, qkv_bias=True``), copies them into
 zoo's ``SpecSequential(layer_specs(cfg))`` through an explicit key table, and compares logits (and, in the
 backward test, the loss and the word-embedding gradient). One plain process, tp=1, no torch.distributed: the
 tensor-parallel layers fall back to their single-rank path.
@@ -17,7 +18,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from zoo.convert.hf_gpt import gpt2_table, llama_table, same, transpose
 from zoo.models.gpt import GPTConfig, GPTLoss, layer_specs
@@ -114,6 +115,25 @@ def llama_pair(tied: bool, nkv: int, rope_scaling: dict | None, seed: int = 0):
     return hf, model, cfg, llama_table(cfg)
 
 
+def qwen2_pair(tied: bool, nkv: int, seed: int = 0):
+    """Qwen2: Llama's layout plus biases on q, k and v (fused into zoo's per-group QKV bias), RoPE theta 1e6."""
+    torch.manual_seed(seed)
+    theta = 1e6
+    hf_cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=nkv, max_position_embeddings=64, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": theta}, tie_word_embeddings=tied,
+                         use_sliding_window=False)
+    hf = Qwen2ForCausalLM(hf_cfg).eval()
+    randomize_(hf, seed)
+    cfg = GPTConfig.from_preset("tiny-llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=176,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=nkv,
+                                max_position_embeddings=64, norm_eps=1e-6, rope_theta=theta, qkv_bias=True,
+                                tie_word_embeddings=tied)
+    model = SpecSequential(layer_specs(cfg)).eval()
+    assert sum(p.numel() for p in hf.parameters()) == cfg.num_parameters()
+    return hf, model, cfg, llama_table(cfg)
+
+
 def token_ids(batch: int = 2, seq: int = SEQ, seed: int = 0) -> torch.Tensor:
     ids = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
     ids[0, :3] = torch.tensor([0, VOCAB - 1, VOCAB - 2])  # the vocabulary's edges, next to zoo's padding rows
@@ -159,6 +179,25 @@ def test_llama_logits_match(tied, nkv, rope):
     assert max_logit_diff(model, hf, cfg, token_ids()) < LOGITS_ATOL
 
 
+@pytest.mark.parametrize("nkv", [1, 2])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_qwen2_logits_match(tied, nkv):
+    hf, model, cfg, table = qwen2_pair(tied, nkv)
+    assert dict(model.named_parameters())["1.attention.qkv.bias"].shape == ((4 + 2 * nkv) * 16,)
+    assert "1.attention.dense.bias" not in dict(model.named_parameters())  # only the QKV has a bias
+    load_from_hf(model, hf, table, cfg)
+    assert max_logit_diff(model, hf, cfg, token_ids()) < LOGITS_ATOL
+
+
+def test_qwen2_bias_mapping_has_teeth():
+    """The q/k/v biases matter: fused without the per-group regrouping (plain [q; k; v]) the logits differ."""
+    hf, model, cfg, table = qwen2_pair(False, 2)
+    naive = [replace(r, to_zoo=lambda q, k, v: torch.cat([q, k, v])) if r.zoo.endswith("qkv.bias") else r
+             for r in table]
+    load_from_hf(model, hf, naive, cfg)
+    assert max_logit_diff(model, hf, cfg, token_ids()) > 1e-2
+
+
 def test_rope_scaling_matters_at_this_length():
     """Guards the parametrization above: at SEQ positions each scaling changes HF's own logits."""
     ids = token_ids()
@@ -176,6 +215,7 @@ PAIRS = {
     "gpt2": lambda: gpt2_pair(),
     "llama-untied": lambda: llama_pair(False, 2, ROPE_SCALINGS["llama3"]),
     "llama-tied": lambda: llama_pair(True, 1, ROPE_SCALINGS["linear"]),
+    "qwen2": lambda: qwen2_pair(False, 2),
 }
 
 

@@ -1,4 +1,4 @@
-"""HuggingFace <-> zoo for the GPT family: GPT-2 (GPT2LMHeadModel), Llama (LlamaForCausalLM), Mistral.
+"""HuggingFace <-> zoo for the GPT family: GPT-2 (GPT2LMHeadModel), Llama (LlamaForCausalLM), Mistral, Qwen2.
 
 Each architecture is one key table of ``Row(zoo key, HF keys, HF shapes, to_zoo, to_hf)`` (torchtitan's style):
 ``{}`` is the block index, ``i + 1`` on zoo's side (layer 0 is the embedding) and ``i`` on HF's side. Every
@@ -6,12 +6,16 @@ transform is pure data movement (transpose, split, concatenate), so HF -> zoo ->
 checked against transformers' logits (tests/convert/test_hf_gpt.py, tests/models/test_gpt_vs_transformers.py).
 
 Both directions stream: one block's tensors are read (each safetensors file mapped only while they are read),
-transformed and handed to ``io.ShardedWriter``, so memory stays near one output shard plus one block.
+transformed and handed to ``io.ShardedWriter``, which writes each tensor to disk as it comes, so memory stays
+near one block (the largest being the embedding).
 
-Refused, each with one line saying why: other architectures; Qwen2 (biases on q/k/v only: GPTConfig's
-``add_bias`` is all-or-nothing); GPT-2 with another activation than gelu_new or with unusual attention scaling;
-Llama with attention/MLP biases, a head_dim other than hidden/heads, or a RoPE type other than default/linear/
-llama3; Mistral with a sliding window shorter than its context; pickle checkpoints without ``allow_pickle``.
+Qwen2 is Llama with biases on q/k/v (not on o_proj or the MLP): ``GPTConfig(add_bias=False, qkv_bias=True)``,
+the three biases fused per key-value group exactly like the weights; such a zoo GPT exports as Qwen2ForCausalLM.
+
+Refused, each with one line saying why: other architectures; GPT-2 with another activation than gelu_new or with
+unusual attention scaling; Llama with attention/MLP biases, a head_dim other than hidden/heads, or a RoPE type
+other than default/linear/llama3; Mistral or Qwen2 with a sliding window shorter than its context; pickle
+checkpoints without ``allow_pickle``.
 Notation: h hidden, f intermediate, V vocabulary (unpadded), P positions, nq/nkv query/key-value heads, d head dim.
 """
 
@@ -31,7 +35,7 @@ from safetensors import safe_open
 from zoo.convert import io
 from zoo.models.gpt import GPTConfig
 
-SUPPORTED = ("GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM")
+SUPPORTED = ("GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 MODEL_TYPES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                "qwen2": "Qwen2ForCausalLM"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -160,8 +164,9 @@ def gpt2_table(cfg: GPTConfig, prefix: str = "transformer.") -> list[Row]:
 
 
 def llama_table(cfg: GPTConfig) -> list[Row]:
-    """LlamaForCausalLM and MistralForCausalLM (same keys). RoPE is rotate-half in both HF and zoo, so the q/k rows
-    need no permutation within a head (unlike Meta's original checkpoints)."""
+    """LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM (same keys; Qwen2 adds q/k/v biases, present
+    when ``cfg.use_qkv_bias``). RoPE is rotate-half in both HF and zoo, so the q/k rows need no permutation within
+    a head (unlike Meta's original checkpoints)."""
     h, f, V, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers
     d, nq, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
 
@@ -183,6 +188,8 @@ def llama_table(cfg: GPTConfig) -> list[Row]:
         Row("{}.input_norm.weight", ("model.layers.{}.input_layernorm.weight",), ((h,),), same, same),
         Row("{}.attention.qkv.weight", (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
             ((nq * d, h), (nkv * d, h), (nkv * d, h)), qkv, qkv_back),
+        *([Row("{}.attention.qkv.bias", (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
+               ((nq * d,), (nkv * d,), (nkv * d,)), qkv, qkv_back)] if cfg.use_qkv_bias else []),
         Row("{}.attention.dense.weight", (attn + "o_proj.weight",), ((h, nq * d),), same, same),
         Row("{}.post_attention_norm.weight", ("model.layers.{}.post_attention_layernorm.weight",), ((h,),), same, same),
         Row("{}.mlp.fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"), ((f, h), (f, h)), gate_up,
@@ -218,10 +225,6 @@ def blocks(table: list[Row], num_layers: int) -> Iterator[list[Row]]:
 def architecture_of(meta: dict, where: str) -> str:
     archs = meta.get("architectures") or []
     arch = archs[0] if archs else MODEL_TYPES.get(meta.get("model_type", ""), meta.get("model_type") or "unknown")
-    if arch == "Qwen2ForCausalLM":
-        raise ConvertError(f"{where}: Qwen2ForCausalLM is not supported yet: it has biases on q/k/v but not on o_proj "
-                           f"or the MLP, and zoo's GPTConfig.add_bias is all-or-nothing (it needs a qkv_bias field); "
-                           f"supported: {', '.join(SUPPORTED)}")
     if arch not in SUPPORTED:
         raise ConvertError(f"{where}: architecture {arch} is not supported; supported: {', '.join(SUPPORTED)}")
     return arch
@@ -239,9 +242,10 @@ def read_hf_config(folder: Path):
     if "zoo_format" in meta:
         raise ConvertError(f"{folder} is a zoo model folder, not a HuggingFace one (use zoo-to-hf)")
     arch = architecture_of(meta, str(path))
-    from transformers import GPT2Config, LlamaConfig, MistralConfig
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
-    cls = {"GPT2LMHeadModel": GPT2Config, "LlamaForCausalLM": LlamaConfig, "MistralForCausalLM": MistralConfig}[arch]
+    cls = {"GPT2LMHeadModel": GPT2Config, "LlamaForCausalLM": LlamaConfig, "MistralForCausalLM": MistralConfig,
+           "Qwen2ForCausalLM": Qwen2Config}[arch]
     return arch, cls.from_dict(meta)
 
 
@@ -290,7 +294,8 @@ def gpt_config_from_hf(arch: str, c) -> GPTConfig:
                          normalization="layernorm", norm_eps=c.layer_norm_epsilon, activation="gelu", add_bias=True,
                          tie_word_embeddings=bool(c.tie_word_embeddings), initializer_range=c.initializer_range,
                          hidden_dropout=c.resid_pdrop, attention_dropout=c.attn_pdrop))
-    # Llama and Mistral
+    # Llama, Mistral and Qwen2 (q/k/v biases, always)
+    qwen2 = arch == "Qwen2ForCausalLM"
     need(c.hidden_act == "silu", f"hidden_act {c.hidden_act!r} is not supported (zoo's SwiGLU uses silu)")
     need(not getattr(c, "attention_bias", False), "attention_bias=True is not supported (zoo's Llama has no biases)")
     need(not getattr(c, "mlp_bias", False), "mlp_bias=True is not supported (zoo's Llama has no biases)")
@@ -298,8 +303,12 @@ def gpt_config_from_hf(arch: str, c) -> GPTConfig:
     need(head_dim * c.num_attention_heads == c.hidden_size,
          f"head_dim {head_dim} x num_attention_heads {c.num_attention_heads} != hidden_size {c.hidden_size}; "
          f"zoo needs head_dim = hidden_size / num_attention_heads")
-    window = getattr(c, "sliding_window", None)
-    need(window is None or window >= c.max_position_embeddings,
+    window = getattr(c, "sliding_window", None)  # Qwen2Config sets it None unless use_sliding_window
+    layer_types = getattr(c, "layer_types", None) or []
+    need(set(layer_types) <= {"full_attention", "sliding_attention"},
+         f"layer_types {sorted(set(layer_types) - {'full_attention', 'sliding_attention'})} are not supported")
+    sliding = "sliding_attention" in layer_types if qwen2 else True  # Qwen2: only layers >= max_window_layers slide
+    need(not sliding or window is None or window >= c.max_position_embeddings,
          f"sliding_window {window} < max_position_embeddings {c.max_position_embeddings}: zoo has no sliding-window "
          f"attention")
     theta, scaling = _rope(c)
@@ -308,27 +317,38 @@ def gpt_config_from_hf(arch: str, c) -> GPTConfig:
                      num_key_value_heads=c.num_key_value_heads or c.num_attention_heads,
                      intermediate_size=c.intermediate_size, max_position_embeddings=c.max_position_embeddings,
                      position_embedding_type="rope", normalization="rmsnorm", norm_eps=c.rms_norm_eps,
-                     activation="swiglu", add_bias=False, tie_word_embeddings=bool(c.tie_word_embeddings),
+                     activation="swiglu", add_bias=False, **({"qkv_bias": True} if qwen2 else {}),
+                     tie_word_embeddings=bool(c.tie_word_embeddings),
                      rope_theta=theta, rope_scaling=scaling, initializer_range=c.initializer_range,
                      attention_dropout=float(getattr(c, "attention_dropout", 0.0) or 0.0)))
 
 
 def export_architecture(cfg: GPTConfig) -> str:
     """The HF architecture computing what this zoo GPT computes (Mistral imports come back as Llama)."""
-    if (cfg.position_embedding_type, cfg.normalization, cfg.activation, cfg.add_bias) == \
-            ("learned", "layernorm", "gelu", True):
+    features = (cfg.position_embedding_type, cfg.normalization, cfg.activation, cfg.add_bias, cfg.use_qkv_bias)
+    if features == ("learned", "layernorm", "gelu", True, True):
         return "GPT2LMHeadModel"
-    if (cfg.position_embedding_type, cfg.normalization, cfg.activation, cfg.add_bias) == \
-            ("rope", "rmsnorm", "swiglu", False):
+    if features == ("rope", "rmsnorm", "swiglu", False, False):
         return "LlamaForCausalLM"
+    if features == ("rope", "rmsnorm", "swiglu", False, True):
+        return "Qwen2ForCausalLM"
     raise ConvertError(f"this zoo GPT (position {cfg.position_embedding_type}, {cfg.normalization}, {cfg.activation}, "
-                       f"add_bias={cfg.add_bias}) matches no HF architecture: GPT2LMHeadModel needs learned, "
-                       f"layernorm, gelu, add_bias=True; LlamaForCausalLM needs rope, rmsnorm, swiglu, add_bias=False")
+                       f"add_bias={cfg.add_bias}, qkv_bias={cfg.use_qkv_bias}) matches no HF architecture: "
+                       f"GPT2LMHeadModel needs learned, layernorm, gelu, add_bias=True (and qkv_bias); "
+                       f"LlamaForCausalLM needs rope, rmsnorm, swiglu, add_bias=False, qkv_bias=False; "
+                       f"Qwen2ForCausalLM the same with qkv_bias=True")
+
+
+def _rope_parameters(cfg: GPTConfig) -> dict:
+    """transformers 5's ``rope_parameters`` (theta included) for a zoo GPT's RoPE settings."""
+    rope = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
+    rope.pop("type", None)
+    return rope
 
 
 def hf_config_from_gpt(cfg: GPTConfig, arch: str, dtype: torch.dtype, special: dict):
-    """The transformers config (GPT2Config or LlamaConfig, ``architectures`` set) for a zoo GPT."""
-    from transformers import GPT2Config, LlamaConfig
+    """The transformers config (GPT2Config, LlamaConfig or Qwen2Config, ``architectures`` set) for a zoo GPT."""
+    from transformers import GPT2Config, LlamaConfig, Qwen2Config
 
     common = dict(vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_word_embeddings,
                   initializer_range=cfg.initializer_range, architectures=[arch],
@@ -338,14 +358,20 @@ def hf_config_from_gpt(cfg: GPTConfig, arch: str, dtype: torch.dtype, special: d
                        n_inner=cfg.intermediate_size, n_positions=cfg.max_position_embeddings,
                        activation_function="gelu_new", layer_norm_epsilon=cfg.norm_eps, resid_pdrop=cfg.hidden_dropout,
                        embd_pdrop=cfg.hidden_dropout, attn_pdrop=cfg.attention_dropout, **common)
+    elif arch == "Qwen2ForCausalLM":  # q/k/v biases built in; head_dim is hidden / heads, as in zoo
+        c = Qwen2Config(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+                        num_key_value_heads=cfg.num_key_value_heads,
+                        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.norm_eps,
+                        rope_parameters=_rope_parameters(cfg), hidden_act="silu",
+                        use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_hidden_layers,
+                        attention_dropout=cfg.attention_dropout, **common)
     else:
-        rope = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
-        rope.pop("type", None)
         c = LlamaConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                         num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
                         num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
                         max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.norm_eps,
-                        rope_parameters=rope, attention_bias=False, mlp_bias=False, hidden_act="silu",
+                        rope_parameters=_rope_parameters(cfg), attention_bias=False, mlp_bias=False, hidden_act="silu",
                         attention_dropout=cfg.attention_dropout, **common)
     c.dtype = dtype
     return c
@@ -388,32 +414,8 @@ def resolve_hf_folder(src: str | os.PathLike, *, allow_pickle: bool = False, cac
             from None
 
 
-READ_CHUNK_BYTES = 64 * 1024**2
-
-
-def read_safetensors(path: Path, keys) -> dict[str, torch.Tensor]:
-    """Tensors of one safetensors file, copied into this process's memory.
-
-    ``safe_open(...).get_tensor`` returns a view of the file's memory map; while any view lives (e.g. waiting in
-    the writer's pending shard) the map stays, and every page read through it counts in this process's RSS, so
-    the whole checkpoint would. Here each tensor is copied out and the file is mapped again for every chunk of
-    ``READ_CHUNK_BYTES``, so at most one chunk of the map is resident at a time.
-    """
-    out = {}
-    for key in keys:
-        with safe_open(path, "pt") as f:
-            view = f.get_tensor(key)  # lazy: no page read yet
-            if view.dim() == 0 or view.numel() * view.element_size() <= READ_CHUNK_BYTES:
-                out[key] = view.clone()
-                continue
-            rows = max(1, READ_CHUNK_BYTES * view.shape[0] // (view.numel() * view.element_size()))
-            copy = torch.empty_like(view)
-            del view
-        for start in range(0, copy.shape[0], rows):
-            with safe_open(path, "pt") as f:
-                copy[start:start + rows] = f.get_slice(key)[start:start + rows]
-        out[key] = copy
-    return out
+# Copy tensors out of a safetensors file without pinning its memory map (see io.read_tensors).
+read_safetensors = io.read_tensors
 
 
 class HFCheckpoint:
@@ -532,21 +534,20 @@ def hf_to_zoo(src, out, *, dtype: torch.dtype | None = None, allow_pickle: bool 
                 t = row.to_zoo(*(values.pop(k) for k in row.hf))
                 yield row.zoo, t if dtype is None else t.to(dtype)
 
-    final = io.write_model_folder(out, "gpt", cfg.to_dict(), tensors(), tokenizer_dir=folder,
-                                  max_shard_bytes=max_shard_bytes)
-    _write_generation_config(folder, hf_cfg, final)
-    return final
+    return io.write_model_folder(out, "gpt", cfg.to_dict(), tensors(), tokenizer_dir=folder,
+                                 max_shard_bytes=max_shard_bytes,
+                                 extra_files={GENERATION_CONFIG: _generation_config(folder, hf_cfg)})
 
 
-def _write_generation_config(folder: Path, hf_cfg, dst: Path) -> None:
-    """Keep the special token ids and generation defaults beside the zoo folder (zoo's config has no place for
-    them), taken from the HF folder's generation_config.json or derived from its config."""
+def _generation_config(folder: Path, hf_cfg) -> str | bytes:
+    """The special token ids and generation defaults to keep beside the zoo folder (zoo's config has no place for
+    them): the HF folder's generation_config.json as is, or one derived from its config (as save_pretrained
+    writes it)."""
     if (folder / GENERATION_CONFIG).is_file():
-        shutil.copy2(folder / GENERATION_CONFIG, dst / GENERATION_CONFIG)
-        return
+        return (folder / GENERATION_CONFIG).read_bytes()
     from transformers import GenerationConfig
 
-    GenerationConfig.from_model_config(hf_cfg).save_pretrained(dst)
+    return GenerationConfig.from_model_config(hf_cfg).to_json_string(use_diff=True, keys_to_pop=["compile_config"])
 
 
 def _special_ids(zoo_folder: Path) -> dict:

@@ -5,6 +5,7 @@
                                     of ``SpecSequential`` / ``PipelineModule`` ("3.attention.qkv.weight", ...)
       or model-*.safetensors + model.safetensors.index.json   (sharded; the index is HuggingFace's format)
     tokenizer files                 optional, copied beside (AutoTokenizer.from_pretrained(folder) reads them)
+    other files                     optional (``write_model_folder(extra_files=...)``), e.g. generation_config.json
 
 Writing (:func:`save_model`): each TP group gathers its shards (``zoo.parallel.shards``), and one rank per pipeline
 stage writes that stage's tensors; a tensor tied across stages is written once. The folder is built under a
@@ -20,13 +21,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from zoo.parallel.shards import barrier, full_tensor, gather_objects, global_rank, is_sharded, shard_ranges
 from zoo.parallel.topology import group_rank_and_size
@@ -99,35 +102,127 @@ def weight_map(folder: str | os.PathLike) -> dict[str, str]:
                           f"(was it written by an interrupted run?)")
 
 
+# safetensors' dtype names (its spec); the ``torch.uint*`` wider than 8 bits exist in recent torch only.
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                      torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+                      **{getattr(torch, f"uint{b}"): f"U{b}" for b in (16, 32, 64) if hasattr(torch, f"uint{b}")}}
+COPY_CHUNK_BYTES = 16 * 1024**2
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """One tensor written to a writer's temporary data file: where its bytes are, and what they are."""
+
+    name: str
+    dtype: str  # safetensors' name
+    itemsize: int
+    shape: tuple[int, ...]
+    begin: int  # byte offset in the temporary data file
+    nbytes: int
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a contiguous CPU tensor, without a copy (any dtype, 0-d and empty included)."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def _copy_range(src, dst, begin: int, nbytes: int) -> None:
+    """Append bytes ``[begin, begin + nbytes)`` of file ``src`` to file ``dst``: in the kernel where it can
+    (``os.copy_file_range``), else through a buffer of ``COPY_CHUNK_BYTES``; never the whole range in memory."""
+    dst.flush()
+    done = 0
+    if hasattr(os, "copy_file_range"):
+        try:
+            while done < nbytes:
+                got = os.copy_file_range(src.fileno(), dst.fileno(), nbytes - done, begin + done)
+                if not got:
+                    break
+                done += got
+        except OSError:  # not supported between these files (some filesystems, old kernels): copy by hand
+            pass
+        dst.seek(0, os.SEEK_END)  # copy_file_range moved the descriptor's offset; keep the file object in step
+    buffer = memoryview(bytearray(min(COPY_CHUNK_BYTES, nbytes - done) or 1))
+    src.seek(begin + done)
+    while done < nbytes:
+        got = src.readinto(buffer[: min(nbytes - done, len(buffer))])
+        if not got:
+            raise OSError(f"{src.name} ended early: {nbytes - done} byte(s) missing")
+        dst.write(buffer[:got])
+        done += got
+
+
 class ShardedWriter:
     """Streams ``(name, tensor)`` pairs into safetensors files of at most ``max_shard_bytes`` each.
 
-    Only one shard is held in memory at a time. ``close()`` returns the name -> file map. File names carry a
-    ``prefix`` so several writers (one per pipeline stage) can fill one folder.
+    ``add`` writes each tensor's bytes at once to a temporary data file in ``folder`` (``.<shard>.data``) and keeps
+    only its name, dtype, shape and offset; ``flush`` writes the shard's safetensors file (8-byte little-endian
+    header length, JSON header padded with spaces to a multiple of 8 bytes, then the data, tensors ordered by
+    alignment then name as ``safetensors.torch.save_file`` orders them) by copying the data file across (in the
+    kernel, or in ``COPY_CHUNK_BYTES`` chunks), then deletes the data file. Memory: the tensor being added (and at
+    most one chunk); disk: up to two copies of one shard while it is flushed. ``close()`` returns the name -> file
+    map. File names carry a ``prefix`` so several writers (one per pipeline stage) can fill one folder.
     """
 
     def __init__(self, folder: Path, prefix: str = "model", max_shard_bytes: int = DEFAULT_SHARD_BYTES):
         self.folder, self.prefix, self.max_bytes = Path(folder), prefix, max_shard_bytes
-        self.pending: dict[str, torch.Tensor] = {}
+        self.pending: list[_Stored] = []
         self.pending_bytes = 0
         self.files: list[tuple[str, list[str]]] = []
         self.total_bytes = 0
+        self._names: set[str] = set()
+        self._data = None  # the open temporary data file of the shard being filled
+
+    def _shard_name(self) -> str:
+        return f"{self.prefix}-{len(self.files) + 1:05d}.safetensors"
+
+    def _data_path(self) -> Path:
+        return self.folder / f".{self._shard_name()}.data"
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._names:
+            raise ValueError(f"tensor {name} is written twice")
+        if tensor.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name}: dtype {tensor.dtype} cannot be stored in safetensors")
+        if sys.byteorder != "little":
+            raise NotImplementedError("safetensors files are little-endian; this writer runs on little-endian hosts")
         nbytes = tensor.numel() * tensor.element_size()
         if self.pending and self.pending_bytes + nbytes > self.max_bytes:
             self.flush()
-        self.pending[name] = tensor.detach().contiguous().cpu()
+        if self._data is None:
+            self._data = open(self._data_path(), "wb")
+        data = tensor.detach().cpu().contiguous()  # a copy only where the tensor is not already one
+        begin = self._data.tell()
+        self._data.write(_tensor_bytes(data))
+        del data
+        self.pending.append(_Stored(name, SAFETENSORS_DTYPES[tensor.dtype], tensor.element_size(), tuple(tensor.shape),
+                                    begin, nbytes))
+        self._names.add(name)
         self.pending_bytes += nbytes
         self.total_bytes += nbytes
 
     def flush(self) -> None:
         if not self.pending:
             return
-        name = f"{self.prefix}-{len(self.files) + 1:05d}.safetensors"
-        save_file(self.pending, str(self.folder / name), metadata={"format": "pt"})
-        self.files.append((name, list(self.pending)))
-        self.pending, self.pending_bytes = {}, 0
+        name, data_path = self._shard_name(), self._data_path()
+        self._data.close()
+        self._data = None
+        ordered = sorted(self.pending, key=lambda t: (-t.itemsize, t.name))  # aligned: widest dtypes first
+        header: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for t in ordered:
+            header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+            offset += t.nbytes
+        raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        raw += b" " * (-len(raw) % 8)  # the data starts at a multiple of 8 (safetensors' own writer pads the same)
+        with open(data_path, "rb") as src, open(self.folder / name, "wb") as dst:
+            dst.write(struct.pack("<Q", len(raw)))
+            dst.write(raw)
+            for t in ordered:
+                _copy_range(src, dst, t.begin, t.nbytes)
+        os.remove(data_path)
+        self.files.append((name, [t.name for t in self.pending]))
+        self.pending, self.pending_bytes = [], 0
 
     def close(self) -> dict[str, str]:
         self.flush()
@@ -175,9 +270,25 @@ def publish(staging: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def write_model_folder(folder: str | os.PathLike, family: str, config: dict, tensors: Iterable[tuple[str, torch.Tensor]],
-                       *, tokenizer_dir=None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-    """Write a zoo model folder from full (tp=1, unpadded) tensors, streamed one by one (one process)."""
+def _check_extra_name(name: str) -> None:
+    reserved = {CONFIG_NAME, SINGLE_FILE, INDEX_FILE}
+    if not name or Path(name).name != name or name in (".", "..") or name in reserved or \
+            name.endswith(".safetensors"):
+        raise ValueError(f"extra file {name!r}: give a plain file name, not a path, a weight file or {CONFIG_NAME}")
+
+
+def write_model_folder(folder: str | os.PathLike, family: str, config: dict,
+                       tensors: Iterable[tuple[str, torch.Tensor]], *, tokenizer_dir=None,
+                       max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                       extra_files: dict[str, str | bytes] | None = None) -> Path:
+    """Write a zoo model folder from full (tp=1, unpadded) tensors, streamed one by one (one process).
+
+    ``extra_files`` (file name -> text or bytes, e.g. ``generation_config.json``) are written into the folder
+    before it is published, so they appear together with the weights or not at all.
+    """
+    extra_files = dict(extra_files or {})
+    for name in extra_files:
+        _check_extra_name(name)
     final = Path(folder)
     staging = staging_folder(final)
     shutil.rmtree(staging, ignore_errors=True)
@@ -188,20 +299,56 @@ def write_model_folder(folder: str | os.PathLike, family: str, config: dict, ten
     write_index(staging, writer.close(), writer.total_bytes)
     write_config(staging, family, config)
     copy_tokenizer(tokenizer_dir, staging)
+    for name, content in extra_files.items():
+        if isinstance(content, str):
+            (staging / name).write_text(content, encoding="utf-8")
+        else:
+            (staging / name).write_bytes(bytes(content))
     publish(staging, final)
     return final
 
 
+READ_CHUNK_BYTES = 64 * 1024**2
+
+
+def read_tensors(path: str | os.PathLike, keys) -> dict[str, torch.Tensor]:
+    """Tensors of one safetensors file, copied into this process's memory (they pin no memory map).
+
+    ``safe_open(...).get_tensor`` returns a view of the file's memory map; while any view lives the map stays, and
+    every page read through it counts in this process's RSS, so a caller keeping such views would hold the whole
+    file. Here each tensor is copied out and the file is mapped again for every chunk of ``READ_CHUNK_BYTES``
+    rows, so at most one chunk of the map is resident at a time.
+    """
+    out = {}
+    for key in keys:
+        with safe_open(path, "pt") as f:
+            view = f.get_tensor(key)  # lazy: no page read yet
+            if view.dim() == 0 or view.numel() * view.element_size() <= READ_CHUNK_BYTES:
+                out[key] = view.clone()
+                continue
+            rows = max(1, READ_CHUNK_BYTES * view.shape[0] // (view.numel() * view.element_size()))
+            copy = torch.empty_like(view)
+            del view
+        for start in range(0, copy.shape[0], rows):
+            with safe_open(path, "pt") as f:
+                copy[start:start + rows] = f.get_slice(key)[start:start + rows]
+        out[key] = copy
+    return out
+
+
 def iter_tensors(folder: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of a zoo model folder, one at a time (memory: one tensor)."""
+    """Every tensor of a zoo model folder, one at a time (memory: one tensor).
+
+    Each is a copy (:func:`read_tensors`), not a view of the file's memory map: keeping some of them does not keep
+    the whole file resident.
+    """
     folder = Path(folder)
     by_file: dict[str, list[str]] = {}
     for key, fname in weight_map(folder).items():
         by_file.setdefault(fname, []).append(key)
     for fname, keys in sorted(by_file.items()):
-        with safe_open(folder / fname, "pt") as f:
-            for key in keys:
-                yield key, f.get_tensor(key)
+        for key in keys:
+            yield key, read_tensors(folder / fname, [key])[key]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -57,6 +57,7 @@ class GPTConfig:
     norm_eps: float = 1e-5
     activation: str = "gelu"  # "gelu" (tanh approximation, GPT-2's gelu_new) | "swiglu"
     add_bias: bool = True  # biases in every linear layer
+    qkv_bias: bool | None = None  # a bias on the fused QKV projection; None: = add_bias (True, add_bias False: Qwen2)
     tie_word_embeddings: bool = True
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # {"rope_type": "linear", "factor": f} | {"rope_type": "llama3", ...}
@@ -87,11 +88,18 @@ class GPTConfig:
         need(self.num_attention_heads % self.num_key_value_heads == 0,
              f"num_attention_heads {self.num_attention_heads} is not divisible by num_key_value_heads "
              f"{self.num_key_value_heads}")
+        need(self.qkv_bias is None or isinstance(self.qkv_bias, bool),
+             f"qkv_bias must be true, false or null (= add_bias), got {self.qkv_bias!r}")
         need(self.position_embedding_type != "rope" or self.head_dim % 2 == 0,
              f"RoPE needs an even head dim, got {self.head_dim}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             need(kind in ("linear", "llama3"), f"rope_scaling type must be 'linear' or 'llama3', got {kind!r}")
+
+    @property
+    def use_qkv_bias(self) -> bool:
+        """Whether the fused QKV projection has a bias (``qkv_bias``, or ``add_bias`` when that is None)."""
+        return self.add_bias if self.qkv_bias is None else self.qkv_bias
 
     @property
     def head_dim(self) -> int:
@@ -121,7 +129,7 @@ class GPTConfig:
         d, nq, nkv = self.head_dim, self.num_attention_heads, self.num_key_value_heads
         bias = self.add_bias
         norm = h * (2 if self.normalization == "layernorm" else 1)
-        attn = h * (nq + 2 * nkv) * d + nq * d * h + (bias * ((nq + 2 * nkv) * d + h))
+        attn = h * (nq + 2 * nkv) * d + nq * d * h + self.use_qkv_bias * (nq + 2 * nkv) * d + bias * h
         mlp = (3 if self.activation == "swiglu" else 2) * h * f + bias * ((2 * f if self.activation == "swiglu" else f) + h)
         total = L * (attn + mlp + 2 * norm) + norm
         if include_embeddings:
@@ -131,7 +139,10 @@ class GPTConfig:
         return total
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if d["qkv_bias"] is None:  # the default: configs (and zoo folders) of models without it stay as they were
+            del d["qkv_bias"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "GPTConfig":
@@ -330,7 +341,7 @@ class GPTAttention(nn.Module):
         super().__init__()
         self.config = config
         d, nq, nkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
-        self.qkv = ColumnParallelLinear(config.hidden_size, (nq + 2 * nkv) * d, bias=config.add_bias,
+        self.qkv = ColumnParallelLinear(config.hidden_size, (nq + 2 * nkv) * d, bias=config.use_qkv_bias,
                                         init_method=init_method_normal(config.initializer_range),
                                         sequence_parallel=par.sequence_parallel, tp_group=par.tp_group)
         self.dense = RowParallelLinear(nq * d, config.hidden_size, bias=config.add_bias, input_is_parallel=True,
