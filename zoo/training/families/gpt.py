@@ -7,7 +7,7 @@ from pathlib import Path
 
 from zoo.training.families import Data, Family
 
-SOURCES = ("embedded", "indexed", "synthetic")
+SOURCES = ("embedded", "indexed", "synthetic", "instruct")  # instruct: launch/finetune.py (zoo.data.instruct)
 
 
 class GPTFamily(Family):
@@ -66,6 +66,11 @@ class GPTFamily(Family):
             raise ValueError(f"data.source {data.source!r} is not available for GPT; supported: {list(SOURCES)}")
         if not 0.0 <= data.valid_fraction < 1.0:
             raise ValueError(f"data.valid_fraction must be in [0, 1), got {data.valid_fraction}")
+        if data.source == "instruct" and not data.paths:
+            raise ValueError("data.source instruct needs data.paths=[FILE.jsonl] (launch/finetune.py --data sets it)")
+        if data.source == "instruct" and data.tokenizer is None:
+            raise ValueError("data.source instruct needs a tokenizer, and the init folder holds no tokenizer; pass "
+                             "--set data.tokenizer=DIR")
         if data.source == "indexed":
             if not data.paths:
                 raise ValueError("data.source indexed needs data.paths (prefixes of .bin/.idx files written by "
@@ -108,6 +113,14 @@ class GPTFamily(Family):
         from zoo.parallel.shards import barrier
 
         data, tr = cfg.data, cfg.training
+        if data.source == "instruct":  # prompt/response or chat jsonl (launch/finetune.py documents the format)
+            from zoo.data.instruct import load_instruct_data
+            from zoo.data.tokenizer import load_tokenizer
+
+            got = load_instruct_data(data.paths[0], load_tokenizer(data.tokenizer), tr.seq_length, tr.seed,
+                                     valid_path=data.valid_paths[0] if data.valid_paths else None,
+                                     valid_fraction=data.valid_fraction)
+            return Data(got.train, got.valid, data.tokenizer)
         if data.source == "synthetic":
             return Data(SyntheticTokens(model.vocab_size, tr.seq_length, seed=tr.seed),
                         SyntheticTokens(model.vocab_size, tr.seq_length, seed=tr.seed + 1), data.tokenizer)

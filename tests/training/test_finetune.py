@@ -1,0 +1,171 @@
+"""Fine-tuning end to end: a tiny random HF GPT-2 (with a BPE tokenizer trained on the task) is fine-tuned at tp=2
+under torchrun on "reverse <word>:" -> " <drow>", and the exported HF folder is checked with transformers alone;
+bad inputs are refused in one line before anything is written; and launch/train.py trains from a HF folder at tp=2,
+its first loss being the HF model's own loss on the same batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+EOS = 0  # the trained tokenizer's <|endoftext|>
+FINETUNE = ["--steps", "40", "--eval-interval", "20", "--set", "training.seq_length=32",
+            "training.micro_batch_size=8", "training.global_batch_size=16", "training.lr=2e-3",
+            "training.warmup_steps=2", "training.eval_iters=1", "training.log_interval=10"]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int, script: str, args: list) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(_free_port()), str(ROOT / script), *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def reverse_rows(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    words = ["".join(rng.choice("abcdef") for _ in range(rng.randint(2, 5))) for _ in range(n)]
+    return [{"prompt": f"reverse {w}:", "response": f" {w[::-1]}"} for w in words]
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    """(HF folder, data file, rows): a random GPT-2 without dropout, and 64 instruction pairs."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from zoo.data.tokenizer import train_bpe_tokenizer
+
+    root = tmp_path_factory.mktemp("finetune")
+    rows = reverse_rows(64)
+    data = root / "reverse.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    hf = root / "hf-gpt2"
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=EOS,
+                        eos_token_id=EOS, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    GPT2LMHeadModel(config).save_pretrained(hf)
+    train_bpe_tokenizer([r["prompt"] + r["response"] for r in rows], 300, hf)
+    return hf, data, rows
+
+
+def response_loss(model, tok, rows) -> float:
+    """Mean cross entropy of the response tokens and EOS given the prompt, computed with transformers."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for r in rows:
+            prompt = tok(r["prompt"], add_special_tokens=False)["input_ids"]
+            target = tok(r["response"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            ids = torch.tensor([prompt + target])
+            logits = model(ids).logits[0, len(prompt) - 1:-1]  # the positions that predict the target
+            total += float(torch.nn.functional.cross_entropy(logits, torch.tensor(target), reduction="sum"))
+            count += len(target)
+    return total / count
+
+
+def test_finetune_tp2_exports_a_better_hf_model(task, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf, data, rows = task
+    out = tmp_path / "sft"
+    proc = torchrun(2, "launch/finetune.py", ["--init", hf, "--data", data, "--tp", "2", "--out", out, *FINETUNE])
+    log = proc.stdout
+    assert proc.returncode == 0, log[-3000:] + proc.stderr[-3000:]
+    assert "tp=2 pp=1 dp=1" in log and "60 training examples, validation 4 examples" in log
+    assert f"HF model {out / 'hf'}" in log
+    assert "sample (greedy) for the first validation prompt: 'reverse " in log
+
+    valid = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r]
+    assert [r["step"] for r in valid] == [0, 20, 40] and valid[-1]["val_loss"] < valid[0]["val_loss"]
+
+    original = AutoModelForCausalLM.from_pretrained(hf).eval()
+    tuned = AutoModelForCausalLM.from_pretrained(out / "hf").eval()
+    tok = AutoTokenizer.from_pretrained(out / "hf")
+    assert tok.eos_token_id == EOS and tuned.config.eos_token_id == EOS
+    a, b = original.state_dict(), tuned.state_dict()
+    assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)
+    assert sum(not torch.equal(a[k], b[k]) for k in a) > len(a) // 2
+    before, after = response_loss(original, tok, rows), response_loss(tuned, tok, rows)
+    assert math.isfinite(after) and after < 0.8 * before, (before, after)
+    # The zoo folder beside it holds the same model with its tokenizer.
+    assert {"config.json", "tokenizer.json", "generation_config.json"} <= {p.name for p in (out / "model").iterdir()}
+
+
+def _copy_without_tokenizer(hf: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy2(hf / name, dst / name)
+    return dst
+
+
+def test_bad_inputs_one_line_and_nothing_written(task, tmp_path, capsys):
+    from zoo.training.finetune import main
+
+    hf, data, _ = task
+    files = {"empty": "\n", "not-json": '{"prompt": "a", "response": "b"}\n\n{"prompt": oops}\n',
+             "keys": '{"question": "a", "answer": "b"}\n',
+             "no-assistant": '{"messages": [{"role": "user", "content": "hi"}]}\n'}
+    for name, text in files.items():
+        (tmp_path / f"{name}.jsonl").write_text(text)
+    cases = [
+        (["--data", tmp_path / "missing.jsonl"], ["missing.jsonl does not exist"]),
+        (["--data", tmp_path / "empty.jsonl"], ["holds no examples"]),
+        (["--data", tmp_path / "not-json.jsonl"], ["not-json.jsonl line 3 is not JSON"]),
+        (["--data", tmp_path / "keys.jsonl"], ["line 1: missing key(s) ['prompt', 'response']", '"messages"']),
+        (["--data", tmp_path / "no-assistant.jsonl"], ["line 1: the conversation has no assistant turn"]),
+        (["--data", data, "--valid-data", tmp_path / "keys.jsonl"], ["keys.jsonl line 1: missing key(s)"]),
+        (["--data", data, "--init", _copy_without_tokenizer(hf, tmp_path / "no-tok")],
+         ["holds no tokenizer", "--set data.tokenizer=DIR"]),
+    ]
+    for k, (argv, expected) in enumerate(cases):
+        out = tmp_path / f"out{k}"
+        argv = ["--init", hf, *argv] if "--init" not in argv else argv
+        capsys.readouterr()
+        assert main([str(a) for a in argv + ["--out", out, "--set", "training.seq_length=32"]]) == 2, argv
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(err) == 1 and err[0].startswith("error: "), err
+        assert all(e in err[0] for e in expected), (expected, err[0])
+        assert not out.exists()
+
+
+def test_train_from_hf_folder_at_tp2(task, tmp_path):
+    """launch/train.py --init <HF folder> --tp 2: step 1's loss is the HF model's loss on that batch."""
+    from transformers import AutoModelForCausalLM
+
+    from zoo.data.synthetic import SyntheticTokens
+
+    hf, _, _ = task
+    out = tmp_path / "run"
+    proc = torchrun(2, "launch/train.py", [
+        "--init", hf, "--tp", "2", "--steps", "3", "--out", out, "--config", ROOT / "configs/gpt/tiny.yaml", "--set",
+        "data.source=synthetic", "training.seq_length=32", "training.micro_batch_size=4",
+        "training.global_batch_size=8", "training.eval_interval=0", "training.save=false"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "tp=2 pp=1 dp=1" in proc.stdout
+    losses = [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+
+    model = AutoModelForCausalLM.from_pretrained(hf).eval()
+    data = SyntheticTokens(model.config.vocab_size, 32, seed=1234)  # tiny.yaml's seed
+    with torch.no_grad():
+        micro = []
+        for m in range(2):  # global batch 8 = 2 micro-batches of 4 at dp=1
+            tokens = torch.stack([data[m * 4 + i] for i in range(4)])
+            logits = model(tokens[:, :-1]).logits
+            micro.append(float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())))
+    assert abs(losses[0] - sum(micro) / 2) < 1e-4, (losses[0], micro)

@@ -1,0 +1,211 @@
+"""Supervised fine-tuning of a GPT on instruction data, in any layout; the result as a zoo folder and a HF folder.
+
+    python launch/finetune.py --init runs/gpt-tiny/model --data instruct.jsonl
+    torchrun --nproc_per_node 2 launch/finetune.py --init HF_FOLDER_OR_HUB_ID --data train.jsonl \\
+        --valid-data valid.jsonl --tp 2 --out runs/sft
+
+The run is launch/train.py's (``zoo.training.train.train``: tp/pp/dp/ZeRO, evaluation, checkpoints, exact resume)
+with three differences: the weights and the model config come from ``--init`` (a zoo model folder, or a HF folder
+or Hub id converted on the fly), the samples are ``zoo.data.instruct``'s (one example per sample, loss on the
+response tokens only), and the result is written twice: ``<out>/model`` (zoo, layout-free) and ``<out>/hf``
+(``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained`` load it). Everything about the input is checked
+before any process group exists; each problem is one ``error: ...`` line and exit status 2, and nothing is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+from zoo.data.instruct import InstructData, InstructError, load_instruct_data
+from zoo.training.config import ConfigError, RunConfig, validate
+from zoo.training.train import config_from_args as train_config_from_args
+from zoo.training.train import resume_plan
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gpt" / "finetune.yaml"
+GENERATION_CONFIG = "generation_config.json"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        prog="launch/finetune.py",
+        description="Fine-tune a GPT on instruction data (loss on the responses only). Works in one process, under "
+                    "torchrun and under the deepspeed launcher; data parallelism is world_size / (tp x pp). Writes "
+                    "OUT/model (zoo) and OUT/hf (transformers).")
+    p.add_argument("--init", required=True, metavar="SRC",
+                   help="the model to fine-tune: a zoo model folder (launch/convert.py hf-to-zoo, or a run's model/), "
+                        "or a HuggingFace folder / Hub id; its tokenizer is used unless --set data.tokenizer=DIR")
+    p.add_argument("--data", required=True, metavar="FILE.jsonl",
+                   help='one example per line: {"prompt": ..., "response": ...} or {"messages": [{"role": ..., '
+                        '"content": ...}, ...]} (rendered with the tokenizer\'s chat template when it has one, else '
+                        'as "<role>: <content>" lines); see zoo/data/instruct.py')
+    p.add_argument("--valid-data", metavar="FILE.jsonl", help="validation examples (default: hold out a fraction "
+                                                              "of --data, see --valid-fraction)")
+    p.add_argument("--valid-fraction", type=float, metavar="F",
+                   help="without --valid-data: hold out this fraction of --data for validation (0: none)")
+    p.add_argument("--config", default=str(DEFAULT_CONFIG),
+                   help=f"run config YAML (default: {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])})")
+    p.add_argument("--tp", type=int, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, help="pipeline-parallel size")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (pp > 1 allows 0 or 1)")
+    p.add_argument("--steps", type=int, help="number of optimizer steps (the run's total, also when resuming)")
+    p.add_argument("--eval-interval", type=int, metavar="N",
+                   help="validation loss every N steps (also before step 1 and at the end); 0: never")
+    p.add_argument("--save-interval", type=int, metavar="N",
+                   help="checkpoint every N steps into OUT/checkpoints (the last step is always saved)")
+    p.add_argument("--out", help="output folder: config.yaml, metrics.jsonl, loss.png, checkpoints/, model/, hf/")
+    p.add_argument("--load", metavar="DIR",
+                   help="resume from a run folder (or its checkpoints/ folder); without --load, a run resumes from "
+                        "OUT/checkpoints when that exists")
+    p.add_argument("--load-step", type=int, metavar="N", help="with --load: that step instead of the latest")
+    p.add_argument("--no-sample", action="store_true", help="skip the sample completion printed at the end")
+    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override any config field, e.g. --set training.lr=2e-4 training.seq_length=512")
+    args, _unknown = p.parse_known_args(argv)  # the deepspeed launcher adds --local_rank=N
+    return args
+
+
+def config_from_args(args) -> RunConfig:
+    # Paths are set as given, not through --set's YAML parsing (a path may hold ':' or look like a number).
+    cfg = train_config_from_args(argparse.Namespace(**{**vars(args), "init": None, "out": None}))
+    cfg.training.init_from = args.init
+    if args.out is not None:
+        cfg.out = args.out
+    cfg.data.source = "instruct"
+    cfg.data.paths = [args.data]
+    if args.valid_data is not None:
+        cfg.data.valid_paths = [args.valid_data]
+    if args.valid_fraction is not None:
+        cfg.data.valid_fraction = args.valid_fraction
+    return cfg
+
+
+def validate_run(cfg: RunConfig, world_size: int):
+    """``config.validate`` plus what fine-tuning needs: a tokenizer. Returns the model config (from ``--init``)."""
+    model_cfg = validate(cfg, world_size)  # layout, batch, sequence length, tokenizer; the JSONL is read by load_data
+    if cfg.model.family != "gpt":
+        raise ConfigError(f"fine-tuning is for the gpt family, got model.family {cfg.model.family!r}")
+    if cfg.data.tokenizer is None:
+        raise ConfigError(f"{cfg.training.init_from} holds no tokenizer (tokenizer.json or tokenizer_config.json); "
+                          f"pass one with --set data.tokenizer=DIR")
+    return model_cfg
+
+
+def load_data(cfg: RunConfig) -> InstructData:
+    """The tokenized instruction data; every rank reads it (small), before any process group."""
+    from zoo.data.tokenizer import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.tokenizer: {e}") from None
+    tr, data = cfg.training, cfg.data
+    return load_instruct_data(data.paths[0], tokenizer, tr.seq_length, tr.seed,
+                              valid_path=data.valid_paths[0] if data.valid_paths else None,
+                              valid_fraction=data.valid_fraction)
+
+
+def export_hf(cfg: RunConfig, model_dir: Path, tokenizer) -> Path:
+    """``<out>/hf`` from ``<out>/model``. The special ids and generation defaults come from the init model's
+    generation_config.json (kept beside ``<out>/model`` too), else from the tokenizer."""
+    from zoo.convert.hf_gpt import zoo_to_hf
+
+    for folder in (Path(cfg.training.init_from), Path(cfg.out) / "init-model"):  # a zoo or HF folder; HF's import
+        if (folder / GENERATION_CONFIG).is_file():
+            shutil.copy2(folder / GENERATION_CONFIG, model_dir / GENERATION_CONFIG)
+            break
+    else:
+        from transformers import GenerationConfig
+
+        GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id).save_pretrained(model_dir)
+    return zoo_to_hf(model_dir, Path(cfg.out) / "hf")
+
+
+def sample_completion(model_dir: Path, tokenizer, prompt_ids: list[int], max_new_tokens: int = 48) -> str:
+    """Greedy completion of ``prompt_ids`` by the exported model, read back from disk, in this process alone."""
+    from zoo.convert.io import load_model, read_config
+    from zoo.models.generate import Generator, SamplingOptions
+    from zoo.models.gpt import GPTConfig, ParallelOptions, layer_specs
+    from zoo.models.specs import SpecSequential
+
+    model = SpecSequential(layer_specs(GPTConfig.from_dict(read_config(model_dir)[1]), ParallelOptions()))
+    load_model(model_dir, model)
+    out = Generator(model.eval()).generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
+                                           sampling=SamplingOptions(greedy=True),
+                                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    new = out.tokens[0, len(prompt_ids):].tolist()
+    if tokenizer.eos_token_id in new:
+        new = new[:new.index(tokenizer.eos_token_id)]
+    return tokenizer.decode(new)
+
+
+def main(argv=None) -> int:
+    from zoo.convert.hf_gpt import ConvertError
+    from zoo.convert.io import save_model
+    from zoo.data.tokenizer import load_tokenizer
+    from zoo.parallel.topology import destroy_model_parallel, initialize_model_parallel
+    from zoo.training.checkpoint import ResumeError
+    from zoo.training.families import Data
+    from zoo.training.train import train
+
+    args = parse_args(argv)
+    rank0 = os.environ.get("RANK", "0") == "0"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        cfg = config_from_args(args)
+        model_cfg = validate_run(cfg, world)  # before any process group exists
+        resume, universal = resume_plan(cfg, model_cfg, args)
+        data = load_data(cfg)
+    except (ConfigError, ResumeError, InstructError) as e:
+        if rank0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp)
+    out, tr = Path(cfg.out), cfg.training
+    say = lambda s: print(s, flush=True)  # noqa: E731
+    if grid.rank == 0:
+        say(f"zoo fine-tune of {tr.init_from}: {model_cfg.num_parameters() / 1e6:.2f}M parameters | tp={grid.tp} "
+            f"pp={grid.pp} dp={grid.dp} zero={cfg.parallel.zero_stage} | global batch {cfg.global_batch_size} x "
+            f"{tr.seq_length} tokens | {tr.precision} | {data.summary()}")
+        if data.truncated:
+            print(f"warning: {data.truncated} example(s) longer than training.seq_length + 1 = {tr.seq_length + 1} "
+                  f"tokens were truncated ({data.emptied} of them lost every response token and train nothing); "
+                  f"raise training.seq_length to keep them whole", file=sys.stderr, flush=True)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    try:
+        result = train(cfg, model_cfg, grid, log=say, resume=resume, universal=universal,
+                       data=Data(data.train, data.valid, cfg.data.tokenizer), keep_engine=True, progress=True)
+        engine = result.engine
+        if tr.save:
+            save_model(out / "model", engine.module, grid, cfg.model.family, model_cfg.to_dict(),
+                       tokenizer_dir=cfg.data.tokenizer)
+        engine.destroy()
+        if grid.rank == 0 and result.val_losses:
+            (s0, v0), (s1, v1) = result.val_losses[0], result.val_losses[-1]
+            say(f"validation loss (response tokens) {v0:.3f} (step {s0}) -> {v1:.3f} (step {s1})")
+    finally:
+        is_rank0 = grid.rank == 0
+        destroy_model_parallel()
+    if not (is_rank0 and tr.save):
+        return 0
+    tokenizer = load_tokenizer(out / "model")
+    try:
+        hf = export_hf(cfg, out / "model", tokenizer)
+        where = f"HF model {hf} (AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load it)"
+    except ConvertError as e:  # a zoo GPT variant that no transformers architecture describes
+        where = f"no HF export ({e})"
+    say(f"done: zoo model {out / 'model'} | {where} | metrics {out / 'metrics.jsonl'} | loss plot {out / 'loss.png'}")
+    if not args.no_sample and data.sample_prompt:
+        which = "validation" if data.valid is not None else "training"
+        completion = sample_completion(out / "model", tokenizer, data.sample_prompt)
+        say(f"sample (greedy) for the first {which} prompt: {tokenizer.decode(data.sample_prompt)!r} -> "
+            f"{completion!r}")
+    return 0
