@@ -65,15 +65,19 @@ def init_distributed(timeout_minutes: float | None = None) -> None:
     from deepspeed.accelerator import get_accelerator
 
     launched = any(v in os.environ for v in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"))
-    if not launched:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
     kwargs = {}
     if timeout_minutes is not None:
         from datetime import timedelta
 
         kwargs["timeout"] = timedelta(minutes=timeout_minutes)
+    if not launched:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        # A world of one needs no rendezvous: an in-memory store, so no port is ever bound (no clash with other
+        # processes on the machine). DeepSpeed then wraps the existing group.
+        dist.init_process_group(get_accelerator().communication_backend_name(), store=dist.HashStore(), rank=0,
+                                world_size=1, **kwargs)
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False, **kwargs)
     accel = get_accelerator()
     if accel.device_name() != "cpu":
