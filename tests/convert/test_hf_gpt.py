@@ -328,10 +328,10 @@ def edited_copy(folder: Path, dst: Path, **config) -> Path:
 
 def test_bad_input(hf_dirs, zoo_dirs, tmp_path, capsys):
     out = tmp_path / "out"
-    supported = "supported: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"
-    bert = edited_copy(hf_dirs["gpt2"], tmp_path / "bert", architectures=["BertForMaskedLM"], model_type="bert")
-    assert_error(capsys, f"architecture BertForMaskedLM is not supported; {supported}", "hf-to-zoo", "--src", bert,
-                 "--out", out)
+    supported = "supported: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Bert"
+    t5 = edited_copy(hf_dirs["gpt2"], tmp_path / "t5", architectures=["T5ForConditionalGeneration"], model_type="t5")
+    assert_error(capsys, f"architecture T5ForConditionalGeneration is not supported; {supported}", "hf-to-zoo",
+                 "--src", t5, "--out", out)
     window = edited_copy(hf_dirs["mistral"], tmp_path / "window", sliding_window=16)
     assert_error(capsys, "sliding_window 16 < max_position_embeddings 64", "hf-to-zoo", "--src", window, "--out", out)
     # Qwen2 slides only in the layers its layer_types say (those from max_window_layers on).

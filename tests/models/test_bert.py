@@ -2,10 +2,11 @@
 
 Each test builds a small HF model with random weights (``BertForMaskedLM``, ``BertForPreTraining`` or
 ``BertForSequenceClassification``, exact GELU, no dropout), copies its weights into zoo's state dict through the
-key table ``HF_TO_ZOO`` and compares the last hidden state, the MLM / NSP / classification logits and the losses,
-on a batch with padding. At tp=2 every rank keeps its slice of the same full tensors; at pp=2 each pipeline stage
-loads the keys it holds. HF runs in the test process only: the workers get its state dict and its outputs as
-arguments, so they never import transformers (seconds per process on a busy machine).
+HF adapter's key table (``zoo.convert.hf_bert.hf_rows``) and compares the last hidden state, the MLM / NSP /
+classification logits and the losses, on a batch with padding. At tp=2 every rank keeps its slice of the same
+full tensors; at pp=2 each pipeline stage loads the keys it holds. HF runs in the test process only: the workers
+get its state dict and its outputs as arguments, so they never import transformers (seconds per process on a busy
+machine).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from zoo.convert.hf_bert import IGNORED, hf_rows
 from zoo.data.masking import SpecialTokens, mask_tokens
 from zoo.models.bert import (
     BertClassificationLoss,
@@ -31,67 +33,6 @@ SEQ = 24
 TOL = 1e-5
 SPECIAL = SpecialTokens(cls=1, sep=2, mask=3, pad=0)
 
-# ---------------------------------------------------------------------------------------------------------------
-# The conversion: HF name -> zoo name. "{i}" is the block index: i on HF's side, i + 1 on zoo's (layer 0 is the
-# embedding). "{head}" is layer L + 1 (the head after the blocks), "{mlm_bias}" layer L + 3 (after the tied decoder).
-# Several HF names onto one zoo name are fused in table order (query, key, value -> qkv, see fuse_qkv).
-# ---------------------------------------------------------------------------------------------------------------
-
-HF_TO_ZOO = {
-    "bert.embeddings.word_embeddings.weight": "tied_modules.embed.word_embeddings.weight",  # also the MLM decoder
-    "bert.embeddings.position_embeddings.weight": "tied_modules.embed.position_embeddings.weight",
-    "bert.embeddings.token_type_embeddings.weight": "tied_modules.embed.token_type_embeddings.weight",
-    "bert.embeddings.LayerNorm.weight": "tied_modules.embed.layer_norm.weight",
-    "bert.embeddings.LayerNorm.bias": "tied_modules.embed.layer_norm.bias",
-    "bert.encoder.layer.{i}.attention.self.query.weight": "{i}.attention.qkv.weight",
-    "bert.encoder.layer.{i}.attention.self.key.weight": "{i}.attention.qkv.weight",
-    "bert.encoder.layer.{i}.attention.self.value.weight": "{i}.attention.qkv.weight",
-    "bert.encoder.layer.{i}.attention.self.query.bias": "{i}.attention.qkv.bias",
-    "bert.encoder.layer.{i}.attention.self.key.bias": "{i}.attention.qkv.bias",
-    "bert.encoder.layer.{i}.attention.self.value.bias": "{i}.attention.qkv.bias",
-    "bert.encoder.layer.{i}.attention.output.dense.weight": "{i}.attention.dense.weight",
-    "bert.encoder.layer.{i}.attention.output.dense.bias": "{i}.attention.dense.bias",
-    "bert.encoder.layer.{i}.attention.output.LayerNorm.weight": "{i}.post_attention_norm.weight",
-    "bert.encoder.layer.{i}.attention.output.LayerNorm.bias": "{i}.post_attention_norm.bias",
-    "bert.encoder.layer.{i}.intermediate.dense.weight": "{i}.mlp.fc1.weight",
-    "bert.encoder.layer.{i}.intermediate.dense.bias": "{i}.mlp.fc1.bias",
-    "bert.encoder.layer.{i}.output.dense.weight": "{i}.mlp.fc2.weight",
-    "bert.encoder.layer.{i}.output.dense.bias": "{i}.mlp.fc2.bias",
-    "bert.encoder.layer.{i}.output.LayerNorm.weight": "{i}.post_mlp_norm.weight",
-    "bert.encoder.layer.{i}.output.LayerNorm.bias": "{i}.post_mlp_norm.bias",
-    # Heads.
-    "cls.predictions.transform.dense.weight": "{head}.dense.weight",
-    "cls.predictions.transform.dense.bias": "{head}.dense.bias",
-    "cls.predictions.transform.LayerNorm.weight": "{head}.layer_norm.weight",
-    "cls.predictions.transform.LayerNorm.bias": "{head}.layer_norm.bias",
-    "cls.predictions.bias": "{mlm_bias}.bias",
-    "bert.pooler.dense.weight": "{head}.pooler.dense.weight",
-    "bert.pooler.dense.bias": "{head}.pooler.dense.bias",
-    "cls.seq_relationship.weight": "{head}.seq_relationship.weight",
-    "cls.seq_relationship.bias": "{head}.seq_relationship.bias",
-    "classifier.weight": "{head}.classifier.weight",
-    "classifier.bias": "{head}.classifier.bias",
-}
-# HF lists tied tensors a second time under these names: the word embedding and cls.predictions.bias.
-HF_TIED_ALIASES = {"cls.predictions.decoder.weight", "cls.predictions.decoder.bias"}
-
-
-def fuse_qkv(q, k, v, num_heads: int = 4):
-    """HF's separate Q, K, V (rows = heads x d) -> zoo's fused rows, head by head: [q_0; k_0; v_0; q_1; ...]."""
-    rest = q.shape[1:]  # () for a bias, (h,) for a weight
-    return torch.stack([t.reshape(num_heads, -1, *rest) for t in (q, k, v)], dim=1).reshape(-1, *rest)
-
-
-def expand_table(num_layers: int) -> dict[str, list[str]]:
-    """zoo key -> its HF source keys, for a model of ``num_layers`` blocks."""
-    sources: dict[str, list[str]] = {}
-    for hf_key, zoo_key in HF_TO_ZOO.items():
-        for i in range(num_layers) if "{i}" in hf_key else [0]:
-            z = zoo_key.format(i=i + 1, head=num_layers + 1, mlm_bias=num_layers + 3)
-            sources.setdefault(z, []).append(hf_key.format(i=i))
-    return sources
-
-
 def local_slice(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """This TP rank's part of ``full``: the contiguous chunk along the parameter's partition dim, after padding a
     vocabulary dimension with zero rows up to the padded size. Replicated parameters take ``full`` as is."""
@@ -105,23 +46,23 @@ def local_slice(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     return full.chunk(tp, dim=dim)[rank]
 
 
-def load_from_hf(model: torch.nn.Module, hf_sd: dict, *, complete: bool = True, num_heads: int = 4) -> None:
-    """Copy HF's weights (its state dict) into ``model``. Every zoo tensor must be written; with ``complete`` every
-    HF tensor must be used too (pass False for a part of the model: the encoder alone, one pipeline stage)."""
+def load_from_hf(model: torch.nn.Module, hf_sd: dict, head: str | None, *, complete: bool = True) -> None:
+    """Copy HF's weights (its state dict) into ``model`` through the adapter's key table (``hf_rows``, QKV fused
+    per head). Every zoo tensor must be written; with ``complete`` every HF tensor must be used too, except HF's
+    tied copies (pass False for a part of the model: the encoder alone, one pipeline stage)."""
     zoo_params = dict(model.named_parameters(remove_duplicate=False))
-    sources = expand_table(LAYERS)
+    rows = {row.zoo: row for row in hf_rows(zoo_config(), head)}
     used = set()
     for key, dst in model.state_dict().items():
-        hf_keys = sources[key]
-        values = [hf_sd[k] for k in hf_keys]
-        full = fuse_qkv(*values, num_heads=num_heads) if len(values) == 3 else values[0]
-        value = local_slice(zoo_params[key], full)
+        row = rows[key]
+        value = local_slice(zoo_params[key], row.to_zoo(*(hf_sd[k] for k in row.hf)))
         assert value.shape == dst.shape, (key, value.shape, dst.shape)
         with torch.no_grad():
             dst.copy_(value)  # state_dict() tensors share storage with the parameters
-        used.update(hf_keys)
+        used.update(row.hf)
     if complete:
-        assert set(hf_sd) - used == HF_TIED_ALIASES & set(hf_sd), sorted(set(hf_sd) - used)
+        unused = sorted(k for k in set(hf_sd) - used if not IGNORED.search(k))
+        assert not unused, unused
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -168,7 +109,7 @@ def hf_model(kind: str, seed: int = 0):
 def zoo_model(head, hf_sd=None):
     model = SpecSequential(layer_specs(zoo_config(), head=head)).eval()
     if hf_sd is not None:
-        load_from_hf(model, hf_sd, complete=head is not None)
+        load_from_hf(model, hf_sd, head, complete=head is not None)
     return model
 
 
@@ -430,7 +371,7 @@ def pp2_case(ref):
 
     module = build_pipeline(layer_specs(cfg, head="mlm+nsp"), grid, loss_fn=BertMLMLoss(cfg),
                             partition_method="type:BertLayer")
-    load_from_hf(module, ref["state_dict"], complete=False)
+    load_from_hf(module, ref["state_dict"], "mlm+nsp", complete=False)
     config = {"train_micro_batch_size_per_gpu": inputs[0].shape[0], "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
               "steps_per_print": 10**9}

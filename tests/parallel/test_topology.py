@@ -85,7 +85,7 @@ def _launch(cmd, tmp_path, tp):
     script.write_text(SCRIPT.format(tp=tp))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("WORLD_SIZE", None)
-    out = subprocess.run([*cmd, str(script)], capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    out = subprocess.run([*cmd, str(script)], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     # Ranks share stdout, so two prints may land on one line: match records, not lines.
     lines = re.findall(r"GRID rank=\d+ world=\d+ tp=\d+ dp=\d+ sum=\d+", out.stdout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -33,7 +33,7 @@ BAD = [
     (TINY, ["training.batch=4"], 1, r"^unknown key\(s\) \['batch'\] in section 'training'"),
     (TINY, ["model.num_layers=4"], 1, r"^model: GPTConfig: unknown field\(s\) \['num_layers'\]"),
     (TINY, ["model.preset=gpt5"], 1, r"^model: unknown GPT preset 'gpt5'; presets: "),
-    (TINY, ["model.family=rnn"], 1, r"^model: model.family 'rnn' is not known; families: \['bert', 'gpt', "),
+    (TINY, ["model.family=rnn"], 1, r"^model: model.family 'rnn' is not known; families: \['bert', 'bert-classifier', 'gpt', "),
     (TINY, ["data.source=web"], 1, r"^data.source 'web' is not available for GPT; supported: \['embedded', "),
     (TINY, ["training.init_from=/nonexistent/model"], 1, r"^training.init_from: "),
 ]

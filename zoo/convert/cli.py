@@ -5,6 +5,12 @@
     python launch/convert.py verify --hf openai-community/gpt2 --zoo models/gpt2
     torchrun --nproc_per_node 4 launch/convert.py verify --hf HF --zoo models/gpt2 --tp 2 --pp 2
 
+hf-to-zoo picks the adapter by the architecture in config.json: GPT2LMHeadModel, LlamaForCausalLM,
+MistralForCausalLM, Qwen2ForCausalLM (``zoo.convert.hf_gpt``, family gpt); BertModel, BertForMaskedLM,
+BertForPreTraining, BertForSequenceClassification (``zoo.convert.hf_bert``, families bert and bert-classifier).
+zoo-to-hf and verify pick it by the zoo folder's family. verify compares logits (GPT; BERT's heads) or, for a BERT
+without head, the last hidden state.
+
 ``--src``/``--hf`` take a local HuggingFace folder (the network is never touched) or a Hub id, resolved through
 huggingface_hub's cache (cache only when HF_HUB_OFFLINE=1). Only safetensors are read unless ``--allow-pickle``;
 remote code is never run. Bad input prints one line ``error: ...`` and exits 2; verify prints
@@ -14,6 +20,7 @@ remote code is never run. Bad input prints one line ``error: ...`` and exits 2; 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import sys
@@ -52,12 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast the weights (default: keep)")
     p.add_argument("--max-shard-size", type=parse_size, default=io.DEFAULT_SHARD_BYTES, help="e.g. 2GB (default)")
 
-    p = sub.add_parser("verify", help="compare zoo's logits at (tp, pp) with transformers'")
+    p = sub.add_parser("verify", help="compare zoo's logits (or last hidden state) at (tp, pp) with transformers'")
     p.add_argument("--hf", required=True, help="HF model folder or Hub id")
     p.add_argument("--zoo", required=True, help="zoo model folder")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--tol", type=float, default=1e-4, help="largest accepted |logit difference|")
+    p.add_argument("--tol", type=float, default=1e-4, help="largest accepted |difference|")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
@@ -92,20 +99,67 @@ def _verify(args) -> int:
     return 0 if diff <= args.tol else 1
 
 
+class _Stdout(logging.Handler):
+    """The converters' log lines (what was dropped or ignored) on stdout, beside "wrote ..."; errors stay alone on
+    stderr. ``print`` finds the current stdout at each call."""
+
+    def emit(self, record):
+        print(self.format(record), flush=True)
+
+
+def _log_to_stdout() -> None:
+    logger = logging.getLogger("zoo.convert")
+    if not any(isinstance(h, _Stdout) for h in logger.handlers):
+        logger.addHandler(_Stdout())
+    logger.setLevel(logging.INFO)
+
+
+def supported_architectures() -> tuple[str, ...]:
+    from zoo.convert import hf_bert, hf_gpt
+
+    return hf_gpt.SUPPORTED + hf_bert.SUPPORTED
+
+
+def hf_to_zoo(src, out, *, dtype=None, allow_pickle: bool = False, max_shard_bytes: int = io.DEFAULT_SHARD_BYTES):
+    """The adapter named by ``src``'s config.json architecture converts it (a folder without a readable HF config
+    goes to hf_gpt, which says what is wrong)."""
+    from zoo.convert import hf_bert, hf_gpt
+
+    folder = hf_gpt.resolve_hf_folder(src, allow_pickle=allow_pickle)
+    arch = hf_bert.hf_architecture(hf_bert.model_folder(folder))
+    kwargs = dict(dtype=dtype, allow_pickle=allow_pickle, max_shard_bytes=max_shard_bytes)
+    if arch in hf_bert.SUPPORTED or arch == "bert":
+        return hf_bert.hf_to_zoo_bert(folder, out, **kwargs)
+    if arch is None or arch in hf_gpt.SUPPORTED or arch in hf_gpt.MODEL_TYPES:
+        return hf_gpt.hf_to_zoo(folder, out, **kwargs)
+    raise ConvertError(f"{folder / 'config.json'}: architecture {arch} is not supported; supported: "
+                       f"{', '.join(supported_architectures())}")
+
+
+def zoo_to_hf(src, out, *, dtype=None, max_shard_bytes: int = io.DEFAULT_SHARD_BYTES):
+    """The adapter of the zoo folder's family exports it."""
+    from zoo.convert import hf_bert, hf_gpt
+
+    family = io.read_config(src)[0]
+    if family in hf_bert.FAMILIES:
+        return hf_bert.zoo_to_hf_bert(src, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    if family == "gpt":
+        return hf_gpt.zoo_to_hf(src, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    raise ConvertError(f"{src} holds a {family!r} model; zoo-to-hf exports the families gpt, "
+                       f"{', '.join(hf_bert.FAMILIES)}")
+
+
 def main(argv=None) -> int:
     args, unknown = build_parser().parse_known_args(argv)
     if unknown:
         return error(f"unrecognized arguments: {' '.join(unknown)}")
     dtype = DTYPES[args.dtype] if getattr(args, "dtype", None) else None
+    _log_to_stdout()
     try:
         if args.command == "hf-to-zoo":
-            from zoo.convert.hf_gpt import hf_to_zoo
-
             out = hf_to_zoo(args.src, args.out, dtype=dtype, allow_pickle=args.allow_pickle,
                             max_shard_bytes=args.max_shard_size)
         elif args.command == "zoo-to-hf":
-            from zoo.convert.hf_gpt import zoo_to_hf
-
             out = zoo_to_hf(args.src, args.out, dtype=dtype, max_shard_bytes=args.max_shard_size)
         else:
             return _verify(args)

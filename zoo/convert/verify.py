@@ -4,16 +4,21 @@
     torchrun --nproc_per_node 4 launch/convert.py verify --hf HF --zoo DIR --tp 2 --pp 2
 
 Every rank builds its part of the zoo model at (tp, pp), reads its slices of the folder (``io.load_model``) and
-runs a fixed, seeded batch of token ids; pipeline stages pass activations with ``zoo.parallel.pipe_forward``, the
-last stage gathers the vocab-sharded logits over TP and cuts the padding, and global rank 0 compares them with
-transformers' logits on the same ids (fp32 on both sides). As torchtitan checks its converters: by logits.
+runs a fixed, seeded batch; pipeline stages pass activations with ``zoo.parallel.pipe_forward``, the last stage
+gathers the vocab-sharded logits over TP and cuts the padding, and global rank 0 compares them with transformers'
+outputs on the same inputs (fp32 on both sides). As torchtitan checks its converters: by logits.
+
+The zoo folder's family picks the comparison. gpt: next-token logits on token ids. bert / bert-classifier: the
+batch is ``(input_ids, token_type_ids, attention_mask)`` with two segments and padding at the end of the last row;
+compared is what the head outputs: the last hidden state (head None, BertModel), the MLM logits (BertForMaskedLM),
+MLM and NSP logits (BertForPreTraining) or the classification logits (BertForSequenceClassification).
 """
 
 from __future__ import annotations
 
 import torch
 
-from zoo.convert import io
+from zoo.convert import hf_bert, io
 from zoo.convert.hf_gpt import (
     ConvertError,
     HFCheckpoint,
@@ -22,6 +27,7 @@ from zoo.convert.hf_gpt import (
     read_hf_config,
     resolve_hf_folder,
 )
+from zoo.models.bert import BertConfig
 from zoo.models.gpt import GPTConfig, GPTLoss, ParallelOptions, layer_specs
 from zoo.parallel.shards import gather_objects, global_rank
 from zoo.parallel.topology import initialize_model_parallel
@@ -74,6 +80,9 @@ def check_zoo(zoo, tp: int, pp: int) -> GPTConfig:
 def check_hf(hf, cfg: GPTConfig, *, allow_pickle: bool = False):
     """The HF folder (resolved), checked to be a supported model of the same structure as ``cfg``."""
     folder = resolve_hf_folder(hf, allow_pickle=allow_pickle)
+    arch = hf_bert.hf_architecture(folder)
+    if arch in hf_bert.SUPPORTED:
+        raise ConvertError(f"{hf} is a {arch}, a checkpoint of another family (bert) than the zoo folder's (gpt)")
     arch, hf_cfg = read_hf_config(folder)
     HFCheckpoint(folder, allow_pickle)  # refuses a pickle checkpoint without allow_pickle
     theirs = gpt_config_from_hf(arch, hf_cfg)
@@ -126,6 +135,12 @@ def verify(hf, zoo, tp: int = 1, pp: int = 1, *, batch: int = 2, seq: int = 16, 
            allow_pickle: bool = False) -> float:
     """max |zoo logits - HF logits| on the fixed batch. Collective: every rank of a world of tp x pp (x dp)
     processes calls it (a plain process is a world of one); every rank returns the same value."""
+    try:
+        family = io.read_config(zoo)[0]
+    except io.CheckpointError as e:
+        raise ConvertError(str(e)) from None
+    if family in hf_bert.FAMILIES:
+        return verify_bert(hf, zoo, tp, pp, batch=batch, seq=seq, seed=seed, allow_pickle=allow_pickle)
     cfg = check_zoo(zoo, tp, pp)
     initialize_model_parallel(tp, pp)  # a world size that tp x pp does not divide is refused here, on every rank
     # Only rank 0 runs transformers; its verdict on the HF side reaches every rank, so all stop together.
@@ -145,4 +160,156 @@ def verify(hf, zoo, tp: int = 1, pp: int = 1, *, batch: int = 2, seq: int = 16, 
         theirs = hf_logits(folder, ids, allow_pickle=allow_pickle)
         # Shapes match after check_hf; a mismatch here must not leave the other ranks waiting.
         diff = (ours - theirs).abs().max().item() if theirs.shape == ours.shape else float("inf")
+    return gather_objects(diff)[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# BERT: the encoder's last hidden state or its head's logits
+# ---------------------------------------------------------------------------------------------------------------
+
+# Fields that make two BERTs different models (others, e.g. eps, show up as a difference).
+BERT_STRUCTURE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                  "max_position_embeddings", "type_vocab_size", "num_labels")
+
+
+def check_bert_zoo(zoo, tp: int, pp: int) -> tuple[BertConfig, str | None]:
+    """The zoo folder's config and head, and whether (tp, pp) can hold it; on every rank, before any process group."""
+    _, cfg, head = hf_bert.zoo_bert_config(zoo)
+    if tp < 1 or pp < 1:
+        raise ConvertError(f"tp and pp must be positive, got tp {tp} pp {pp}")
+    try:
+        cfg.check_layout(tp, pp)
+    except ValueError as e:
+        raise ConvertError(str(e)) from None
+    return cfg, head
+
+
+def check_bert_hf(hf, cfg: BertConfig, head: str | None, *, allow_pickle: bool = False):
+    """``(folder, architecture)`` of the HF side, checked to be the class of ``head`` with ``cfg``'s structure."""
+    folder = hf_bert.model_folder(resolve_hf_folder(hf, allow_pickle=allow_pickle))
+    shapes = hf_bert.BertCheckpoint(folder, allow_pickle).shapes  # refuses a pickle checkpoint without allow_pickle
+    arch, hf_cfg = hf_bert.read_hf_config(folder, shapes)
+    if hf_bert.HEAD_OF[arch] != head:
+        raise ConvertError(f"{hf} is a {arch}; the zoo folder's head {head!r} exports as "
+                           f"{hf_bert.ARCH_OF[head]}")
+    theirs = hf_bert.bert_config_from_hf(arch, hf_cfg)
+    for name in BERT_STRUCTURE:
+        if name == "num_labels" and head != "classification":
+            continue
+        if getattr(theirs, name) != getattr(cfg, name):
+            raise ConvertError(f"{hf} and the zoo folder are different models: {name} {getattr(theirs, name)} vs "
+                               f"{getattr(cfg, name)}")
+    return folder, arch
+
+
+def bert_inputs(cfg: BertConfig, batch: int = 2, seq: int = 16, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """The fixed batch ``(input_ids, token_type_ids, attention_mask)``, each ``[batch, seq]``: seeded ids, the
+    second half segment 1 (when the model has two token types), and the last row padded over its last quarter
+    (mask 0, pad id), so masking the padding matters."""
+    seq = min(seq, cfg.max_position_embeddings)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    token_type_ids = torch.zeros_like(ids)
+    if cfg.type_vocab_size > 1:
+        token_type_ids[:, seq // 2:] = 1
+    attention_mask = torch.ones_like(ids)
+    pad = min(max(1, seq // 4), seq - 1)  # a row all padding would be meaningless
+    attention_mask[-1, seq - pad:] = 0
+    ids[-1, seq - pad:] = cfg.pad_token_id or 0
+    return ids, token_type_ids, attention_mask
+
+
+@torch.no_grad()
+def pipeline_forward_tuple(module, inputs, grid, device="cpu"):
+    """``zoo.parallel.pipe_forward.pipeline_forward`` for layers that pass tuples (BERT's ``(hidden, mask)``): a
+    stage sends the number of tensors, then each. The last stage's output there, None on other stages."""
+    from zoo.parallel.pipe_forward import recv_tensor, send_tensor
+
+    if grid is None or grid.pp == 1:
+        return module(inputs)
+    stage, ranks = grid.pp_rank, grid.pp_ranks
+    if stage > 0:
+        count = int(recv_tensor(ranks[stage - 1], device)[0])
+        parts = tuple(recv_tensor(ranks[stage - 1], device) for _ in range(count))
+        inputs = parts if count > 1 else parts[0]
+    out = module(inputs)
+    if stage < grid.pp - 1:
+        parts = out if isinstance(out, tuple) else (out,)
+        send_tensor(torch.tensor([len(parts)], device=device), ranks[stage + 1])
+        for part in parts:
+            send_tensor(part, ranks[stage + 1])
+        return None
+    return out
+
+
+def zoo_bert_outputs(zoo, cfg: BertConfig, head: str | None, tp: int, pp: int, inputs) -> list | None:
+    """What the zoo model of ``head`` outputs at (tp, pp), fp32, on global rank 0 (None elsewhere): the last hidden
+    state ``[b, s, h]``; MLM logits ``[b, s, vocab_size]`` (gathered over TP, padding cut); then NSP logits
+    ``[b, 2]``; or classification logits ``[b, num_labels]``."""
+    from deepspeed.accelerator import get_accelerator
+
+    from zoo.models.bert import layer_specs as bert_layer_specs
+    from zoo.models.specs import SpecSequential, build_pipeline
+    from zoo.parallel.mappings import gather_from_tensor_model_parallel_region
+    from zoo.parallel.pipe_forward import move_tensor
+
+    device = get_accelerator().current_device_name()
+    grid = initialize_model_parallel(tp, pp)
+    specs = bert_layer_specs(cfg, ParallelOptions(tp_group=grid.tp_group), head)
+    # No stage boundary inside the MLM head: stages split at BertLayers (zoo/models/bert.py).
+    module = build_pipeline(specs, grid, loss_fn=None, partition_method="type:BertLayer") if pp > 1 \
+        else SpecSequential(specs)
+    io.load_model(zoo, module, grid.tp_group)
+    module.to(device).eval()
+    outs = None
+    with torch.no_grad():
+        out = pipeline_forward_tuple(module, tuple(t.to(device) for t in inputs), grid, device)
+        if out is not None:
+            outs = list(out) if isinstance(out, tuple) else [out]
+            if head in ("mlm", "mlm+nsp"):  # [b, s, V_padded / tp] -> [b, s, vocab_size]
+                outs[0] = gather_from_tensor_model_parallel_region(outs[0], grid.tp_group)[..., : cfg.vocab_size]
+            outs = [o.float() for o in outs]
+    last = grid.topology.get_rank(pipe=pp - 1, data=0, model=0)
+    count = 2 if head == "mlm+nsp" else 1
+    moved = [move_tensor(outs[i] if grid.rank == last else None, last, 0, device) for i in range(count)]
+    return None if moved[0] is None else [t.cpu() for t in moved]
+
+
+def hf_bert_outputs(folder, arch: str, inputs, *, allow_pickle: bool = False) -> list:
+    """transformers' outputs matching :func:`zoo_bert_outputs`, fp32."""
+    import transformers
+
+    model = getattr(transformers, arch).from_pretrained(folder, dtype=torch.float32, use_safetensors=not allow_pickle,
+                                                        trust_remote_code=False).eval()
+    ids, token_type_ids, attention_mask = inputs
+    with torch.no_grad():
+        out = model(input_ids=ids, token_type_ids=token_type_ids, attention_mask=attention_mask)
+    if arch == "BertModel":
+        return [out.last_hidden_state.float()]
+    if arch == "BertForPreTraining":
+        return [out.prediction_logits.float(), out.seq_relationship_logits.float()]
+    return [out.logits.float()]
+
+
+def verify_bert(hf, zoo, tp: int = 1, pp: int = 1, *, batch: int = 2, seq: int = 16, seed: int = 0,
+                allow_pickle: bool = False) -> float:
+    """max |zoo - HF| over the outputs of the zoo folder's head (see :func:`zoo_bert_outputs`) on the fixed padded
+    batch. Collective, as :func:`verify`."""
+    cfg, head = check_bert_zoo(zoo, tp, pp)
+    initialize_model_parallel(tp, pp)
+    folder = arch = problem = None
+    if global_rank() == 0:
+        try:
+            folder, arch = check_bert_hf(hf, cfg, head, allow_pickle=allow_pickle)
+        except ConvertError as e:
+            problem = str(e)
+    problem = gather_objects(problem)[0]
+    if problem:
+        raise ConvertError(problem)
+    inputs = bert_inputs(cfg, batch, seq, seed)
+    ours = zoo_bert_outputs(zoo, cfg, head, tp, pp, inputs)
+    diff = None
+    if global_rank() == 0:
+        theirs = hf_bert_outputs(folder, arch, inputs, allow_pickle=allow_pickle)
+        same_shapes = [a.shape for a in ours] == [b.shape for b in theirs]
+        diff = max((a - b).abs().max().item() for a, b in zip(ours, theirs)) if same_shapes else float("inf")
     return gather_objects(diff)[0]

@@ -211,6 +211,7 @@ class BertEmbedding(nn.Module):
         init = init_method_normal(config.initializer_range)
         self.word_embeddings = VocabParallelEmbedding(config.padded_vocab_size(tp), config.hidden_size,
                                                       init_method=init, tp_group=par.tp_group)
+        self.word_embeddings.weight.unpadded_size = config.vocab_size  # rows past it are padding (zoo.convert.io)
         pad = config.pad_token_id
         local = self.word_embeddings
         if pad is not None and local.vocab_start_index <= pad < local.vocab_end_index:
@@ -364,6 +365,7 @@ class BertMLMBias(nn.Module):
         tp = group_rank_and_size(par.tp_group)[1]
         self.bias = nn.Parameter(torch.zeros(divide(config.padded_vocab_size(tp), tp, "padded vocabulary")))
         set_tensor_model_parallel_attributes(self.bias, partition_dim=0)
+        self.bias.unpadded_size = config.vocab_size
 
     def forward(self, inputs):
         logits, *rest = inputs if isinstance(inputs, tuple) else (inputs,)
