@@ -303,7 +303,9 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
                                                     else {}), **extra}
         metrics.write(record, prefix="val")
         if grid.rank == 0:
-            shown = " | ".join(f"{k} {v:.4g}" for k, v in record.items() if k not in ("step", "val_loss"))
+            names = {"val_ppl": "perplexity"}
+            shown = " | ".join(f"{names.get(k, k.removeprefix('val_'))} {v:.4g}" for k, v in record.items()
+                               if k not in ("step", "val_loss"))
             log(f"step {step}/{tr.steps} | validation loss {val:.4f}" + (f" | {shown}" if shown else ""))
 
     units_per_step = cfg.global_batch_size * family.units_per_sample(cfg)
