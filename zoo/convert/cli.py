@@ -4,17 +4,20 @@
     python launch/convert.py zoo-to-hf --src models/gpt2 --out hf/gpt2 [--dtype fp32]
     python launch/convert.py verify --hf openai-community/gpt2 --zoo models/gpt2
     torchrun --nproc_per_node 4 launch/convert.py verify --hf HF --zoo models/gpt2 --tp 2 --pp 2
+    python launch/convert.py hf-to-zoo --src DDPM_PIPELINE_FOLDER --out models/ddpm   # diffusers: its unet/
 
 hf-to-zoo picks the adapter by the architecture in config.json: GPT2LMHeadModel, LlamaForCausalLM,
 MistralForCausalLM, Qwen2ForCausalLM (``zoo.convert.hf_gpt``, family gpt); BertModel, BertForMaskedLM,
-BertForPreTraining, BertForSequenceClassification (``zoo.convert.hf_bert``, families bert and bert-classifier).
-zoo-to-hf and verify pick it by the zoo folder's family. verify compares logits (GPT; BERT's heads) or, for a BERT
-without head, the last hidden state.
+BertForPreTraining, BertForSequenceClassification (``zoo.convert.hf_bert``, families bert and bert-classifier);
+a diffusers folder (config.json with ``_class_name``, or a pipeline folder with the model in ``unet/``) by that
+class: UNet2DModel (``zoo.convert.hf_diffusers``, family unet-diffusion). zoo-to-hf and verify pick it by the zoo
+folder's family. verify compares logits (GPT; BERT's heads), for a BERT without head the last hidden state, for a
+UNet2DModel the predicted noise.
 
 ``--src``/``--hf`` take a local HuggingFace folder (the network is never touched) or a Hub id, resolved through
-huggingface_hub's cache (cache only when HF_HUB_OFFLINE=1). Only safetensors are read unless ``--allow-pickle``;
-remote code is never run. Bad input prints one line ``error: ...`` and exits 2; verify prints
-``max_abs_diff=<float>`` as its last line and exits 1 when that exceeds ``--tol``.
+huggingface_hub's cache (cache only when HF_HUB_OFFLINE=1). Only safetensors are read unless ``--allow-pickle``
+(diffusers folders: safetensors only); remote code is never run. Bad input prints one line ``error: ...`` and exits
+2; verify prints ``max_abs_diff=<float>`` as its last line and exits 1 when that exceeds ``--tol``.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("hf-to-zoo", help="HuggingFace folder or Hub id -> zoo model folder")
+    p = sub.add_parser("hf-to-zoo", help="HuggingFace (transformers or diffusers) folder or Hub id -> zoo model folder")
     p.add_argument("--src", required=True, help="HF model folder or Hub id")
     p.add_argument("--out", required=True, help="zoo model folder to write (replaced when complete)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast the weights (default: keep)")
@@ -59,14 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast the weights (default: keep)")
     p.add_argument("--max-shard-size", type=parse_size, default=io.DEFAULT_SHARD_BYTES, help="e.g. 2GB (default)")
 
-    p = sub.add_parser("verify", help="compare zoo's logits (or last hidden state) at (tp, pp) with transformers'")
+    p = sub.add_parser("verify", help="compare zoo's outputs at (tp, pp) with transformers' (or diffusers')")
     p.add_argument("--hf", required=True, help="HF model folder or Hub id")
     p.add_argument("--zoo", required=True, help="zoo model folder")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--tol", type=float, default=1e-4, help="largest accepted |difference|")
     p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=16)
+    p.add_argument("--seq", type=int, default=16, help="sequence length (GPT, BERT; a U-Net's size is its config's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--allow-pickle", action="store_true")
     return parser
@@ -120,12 +123,60 @@ def supported_architectures() -> tuple[str, ...]:
     return hf_gpt.SUPPORTED + hf_bert.SUPPORTED
 
 
+DIFFUSERS_SUPPORTED = ("UNet2DModel",)
+
+
+def _json_dict(path) -> dict | None:
+    import json
+
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def diffusers_model(folder) -> tuple[str, object] | None:
+    """``(class name, config path)`` when ``folder`` is a diffusers model folder (its config.json names a
+    ``_class_name``, which transformers' configs never do) or a diffusers pipeline folder (``model_index.json``, or
+    no config.json but ``unet/config.json``): then the class of its ``unet/`` model, or, without one, the pipeline's
+    own class. None for anything else (a transformers folder, a zoo folder)."""
+    from pathlib import Path
+
+    folder = Path(folder)
+    meta = _json_dict(folder / "config.json")
+    if meta is not None:
+        if "_class_name" in meta and "zoo_format" not in meta:
+            return str(meta["_class_name"]), folder / "config.json"
+        return None
+    unet = _json_dict(folder / "unet" / "config.json")
+    if unet is not None:  # diffusers' own reader takes a missing _class_name as the class asked for
+        return str(unet.get("_class_name", DIFFUSERS_SUPPORTED[0])), folder / "unet" / "config.json"
+    index = _json_dict(folder / "model_index.json")
+    if index is not None and "_class_name" in index:
+        return str(index["_class_name"]), folder / "model_index.json"
+    return None
+
+
 def hf_to_zoo(src, out, *, dtype=None, allow_pickle: bool = False, max_shard_bytes: int = io.DEFAULT_SHARD_BYTES):
-    """The adapter named by ``src``'s config.json architecture converts it (a folder without a readable HF config
-    goes to hf_gpt, which says what is wrong)."""
+    """The adapter named by ``src``'s config.json architecture (transformers) or ``_class_name`` (diffusers, also
+    a pipeline folder's ``unet/``) converts it (a folder without a readable HF config goes to hf_gpt, which says
+    what is wrong)."""
     from zoo.convert import hf_bert, hf_gpt
 
     folder = hf_gpt.resolve_hf_folder(src, allow_pickle=allow_pickle)
+    found = diffusers_model(folder)
+    if found is not None:
+        name, where = found
+        if name not in DIFFUSERS_SUPPORTED:
+            supported = (f"supported diffusers models: {', '.join(DIFFUSERS_SUPPORTED)} (a model folder, or a "
+                         f"pipeline folder with it in unet/)")
+            if where.name == "model_index.json":
+                raise ConvertError(f"{where}: diffusers pipeline {name} has no unet/ model; {supported}")
+            raise ConvertError(f"{where}: diffusers model class {name} is not supported; {supported}")
+        from zoo.convert import hf_diffusers
+
+        return hf_diffusers.import_unet2d(folder, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
     arch = hf_bert.hf_architecture(hf_bert.model_folder(folder))
     kwargs = dict(dtype=dtype, allow_pickle=allow_pickle, max_shard_bytes=max_shard_bytes)
     if arch in hf_bert.SUPPORTED or arch == "bert":
@@ -145,8 +196,12 @@ def zoo_to_hf(src, out, *, dtype=None, max_shard_bytes: int = io.DEFAULT_SHARD_B
         return hf_bert.zoo_to_hf_bert(src, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
     if family == "gpt":
         return hf_gpt.zoo_to_hf(src, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    if family == "unet-diffusion":  # one diffusion_pytorch_model.safetensors: UNet2DModels are small
+        from zoo.convert import hf_diffusers
+
+        return hf_diffusers.export_unet2d(src, out, dtype=dtype)
     raise ConvertError(f"{src} holds a {family!r} model; zoo-to-hf exports the families gpt, "
-                       f"{', '.join(hf_bert.FAMILIES)}")
+                       f"{', '.join(hf_bert.FAMILIES)}, unet-diffusion")
 
 
 def main(argv=None) -> int:

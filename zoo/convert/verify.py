@@ -12,6 +12,9 @@ The zoo folder's family picks the comparison. gpt: next-token logits on token id
 batch is ``(input_ids, token_type_ids, attention_mask)`` with two segments and padding at the end of the last row;
 compared is what the head outputs: the last hidden state (head None, BertModel), the MLM logits (BertForMaskedLM),
 MLM and NSP logits (BertForPreTraining) or the classification logits (BertForSequenceClassification).
+unet-diffusion (diffusers' UNet2DModel): the predicted noise on seeded samples ``[b, in_channels, H, W]`` (H, W from
+sample_size) and integer timesteps ``[b]``; pipeline stages pass the U-Net's packed ``(flat, shapes)`` boundary
+tensors (``zoo.models.unet.UNetPipelineModule``), and only rank 0 imports diffusers.
 """
 
 from __future__ import annotations
@@ -141,6 +144,8 @@ def verify(hf, zoo, tp: int = 1, pp: int = 1, *, batch: int = 2, seq: int = 16, 
         raise ConvertError(str(e)) from None
     if family in hf_bert.FAMILIES:
         return verify_bert(hf, zoo, tp, pp, batch=batch, seq=seq, seed=seed, allow_pickle=allow_pickle)
+    if family == "unet-diffusion":
+        return verify_unet(hf, zoo, tp, pp, batch=batch, seed=seed)
     cfg = check_zoo(zoo, tp, pp)
     initialize_model_parallel(tp, pp)  # a world size that tp x pp does not divide is refused here, on every rank
     # Only rank 0 runs transformers; its verdict on the HF side reaches every rank, so all stop together.
@@ -312,4 +317,144 @@ def verify_bert(hf, zoo, tp: int = 1, pp: int = 1, *, batch: int = 2, seq: int =
         theirs = hf_bert_outputs(folder, arch, inputs, allow_pickle=allow_pickle)
         same_shapes = [a.shape for a in ours] == [b.shape for b in theirs]
         diff = max((a - b).abs().max().item() for a, b in zip(ours, theirs)) if same_shapes else float("inf")
+    return gather_objects(diff)[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# diffusers UNet2DModel: the predicted noise
+# ---------------------------------------------------------------------------------------------------------------
+
+# Fields that make two UNet2DModels different models (others, e.g. eps or flip_sin_to_cos, show up as a difference).
+UNET_STRUCTURE = ("in_channels", "out_channels", "block_out_channels", "layers_per_block", "down_block_types",
+                  "up_block_types", "mid_block_type", "add_attention", "attention_head_dim", "norm_num_groups",
+                  "time_embedding_dim")
+UNET_TIMESTEPS = 1000  # DDPM's training steps: the timesteps of the fixed batch are drawn below this
+UNET_DEFAULT_SIZE = 32  # the sample size when the config has none (diffusers' sample_size None)
+
+
+def check_unet_zoo(zoo, tp: int, pp: int):
+    """The zoo folder's DiffusionUNetConfig, and whether (tp, pp) can hold it; on every rank, before any group."""
+    from zoo.models.unet import DIFFUSION_FAMILY, DiffusionUNetConfig
+
+    try:
+        family, meta = io.read_config(zoo)
+        if family != DIFFUSION_FAMILY:
+            raise ConvertError(f"{zoo} holds a {family!r} model; this verifier compares {DIFFUSION_FAMILY} models")
+        cfg = DiffusionUNetConfig.from_dict(meta)
+    except (io.CheckpointError, ValueError) as e:
+        raise ConvertError(str(e)) from None
+    if tp < 1 or pp < 1:
+        raise ConvertError(f"tp and pp must be positive, got tp {tp} pp {pp}")
+    try:
+        cfg.check_layout(tp, pp)
+    except ValueError as e:
+        raise ConvertError(str(e)) from None
+    return cfg
+
+
+def check_unet_hf(hf, cfg):
+    """The diffusers model folder (``hf`` itself or its ``unet/``), checked to be a UNet2DModel in safetensors with
+    ``cfg``'s structure."""
+    import json
+    import warnings
+
+    from zoo.convert import hf_diffusers
+
+    folder = hf_diffusers.model_folder(resolve_hf_folder(hf))
+    try:
+        meta = json.loads((folder / hf_diffusers.CONFIG_NAME).read_text())
+    except ValueError as e:
+        raise ConvertError(f"{folder / hf_diffusers.CONFIG_NAME} is not valid JSON ({e})") from None
+    if not isinstance(meta, dict) or "_class_name" not in meta:
+        raise ConvertError(f"{folder / hf_diffusers.CONFIG_NAME} is not a diffusers model config (no _class_name); "
+                           f"the zoo folder holds a {hf_diffusers.CLASS_NAME}")
+    with warnings.catch_warnings():  # fields UNet2DModel ignores: import already said so
+        warnings.simplefilter("ignore")
+        theirs = hf_diffusers.diffusers_config_to_zoo(meta)
+    hf_diffusers.weight_files(folder)  # refuses a pickle-only or weightless folder
+    for name in UNET_STRUCTURE:
+        if getattr(theirs, name) != getattr(cfg, name):
+            raise ConvertError(f"{hf} and the zoo folder are different models: {name} {getattr(theirs, name)} vs "
+                               f"{getattr(cfg, name)}")
+    return folder
+
+
+def unet_sizes(cfg) -> tuple[int, int]:
+    """(H, W) of the fixed batch: the config's sample_size, or 32 rounded up to what the levels can halve."""
+    if cfg.sample_size is not None:
+        return cfg.sizes
+    multiple = 2 ** (len(cfg.block_out_channels) - 1)
+    size = -(-UNET_DEFAULT_SIZE // multiple) * multiple
+    return size, size
+
+
+def unet_inputs(cfg, batch: int = 2, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixed batch: noisy samples ``[batch, in_channels, H, W]`` (fp32, N(0, 1)) and integer timesteps
+    ``[batch]`` in [0, 1000), seeded."""
+    g = torch.Generator().manual_seed(seed)
+    sample = torch.randn(batch, cfg.in_channels, *unet_sizes(cfg), generator=g)
+    timesteps = torch.randint(0, UNET_TIMESTEPS, (batch,), generator=g)
+    return sample, timesteps
+
+
+def zoo_unet_output(zoo, cfg, tp: int, pp: int, inputs) -> torch.Tensor | None:
+    """The predicted noise ``[b, out_channels, H, W]`` (fp32) of the zoo folder at (tp, pp), on global rank 0;
+    None elsewhere. Stages are :func:`zoo.models.unet.build_unet_pipeline`'s (balanced by FLOPs): each sends the
+    next its packed ``(flat, shapes)`` pair; ResNet convs and attention heads are split over TP, the output is
+    replicated on the TP group."""
+    import dataclasses
+
+    from deepspeed.accelerator import get_accelerator
+
+    from zoo.models.specs import SpecSequential
+    from zoo.models.unet import build_unet_pipeline
+    from zoo.models.unet import layer_specs as unet_layer_specs
+    from zoo.parallel.pipe_forward import move_tensor
+
+    device = get_accelerator().current_device_name()
+    grid = initialize_model_parallel(tp, pp)
+    # The stage split weighs layers by FLOPs at the image size; without one in the config, at the batch's
+    # (sample_size changes no layer, so the keys and shapes are the same).
+    built = cfg if cfg.sample_size is not None else dataclasses.replace(cfg, sample_size=tuple(inputs[0].shape[-2:]))
+    specs = unet_layer_specs(built, ParallelOptions(tp_group=grid.tp_group))
+    module = build_unet_pipeline(built, specs, grid, loss_fn=None) if pp > 1 else SpecSequential(specs)
+    io.load_model(zoo, module, grid.tp_group)
+    module.to(device).float().eval()
+    with torch.no_grad():
+        out = pipeline_forward_tuple(module, tuple(t.to(device) for t in inputs), grid, device)
+        out = None if out is None else out.float()
+    last = grid.topology.get_rank(pipe=pp - 1, data=0, model=0)
+    moved = move_tensor(out if grid.rank == last else None, last, 0, device)
+    return None if moved is None else moved.cpu()
+
+
+def diffusers_unet_output(folder, inputs) -> torch.Tensor:
+    """diffusers' ``UNet2DModel(sample, timesteps).sample`` in fp32."""
+    from diffusers import UNet2DModel
+
+    model = UNet2DModel.from_pretrained(folder, torch_dtype=torch.float32, use_safetensors=True).eval()
+    with torch.no_grad():
+        return model(*inputs).sample.float()
+
+
+def verify_unet(hf, zoo, tp: int = 1, pp: int = 1, *, batch: int = 2, seed: int = 0) -> float:
+    """max |zoo - diffusers| of the predicted noise on the fixed batch (:func:`unet_inputs`). Collective, as
+    :func:`verify`; only global rank 0 imports diffusers."""
+    cfg = check_unet_zoo(zoo, tp, pp)
+    initialize_model_parallel(tp, pp)
+    folder, problem = None, None
+    if global_rank() == 0:
+        try:
+            folder = check_unet_hf(hf, cfg)
+        except ConvertError as e:
+            problem = str(e)
+    problem = gather_objects(problem)[0]
+    if problem:
+        raise ConvertError(problem)
+    inputs = unet_inputs(cfg, batch, seed)
+    ours = zoo_unet_output(zoo, cfg, tp, pp, inputs)
+    diff = None
+    if global_rank() == 0:
+        theirs = diffusers_unet_output(folder, inputs)
+        diff = (ours - theirs).abs().max().item() if theirs.shape == ours.shape else float("inf")
     return gather_objects(diff)[0]
