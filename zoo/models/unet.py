@@ -119,6 +119,9 @@ class SegUNetConfig:
     def check_layout(self, tp: int, pp: int = 1) -> None:
         _check_layout(self, tp, pp)
 
+    def num_parameters(self) -> int:
+        return num_parameters(self)
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["block_out_channels"] = list(self.block_out_channels)
@@ -236,6 +239,9 @@ class DiffusionUNetConfig:
 
     def check_layout(self, tp: int, pp: int = 1) -> None:
         _check_layout(self, tp, pp)
+
+    def num_parameters(self) -> int:
+        return num_parameters(self)
 
     def to_dict(self) -> dict:
         d = asdict(self)

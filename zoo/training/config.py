@@ -2,7 +2,7 @@
 
 A run config has four sections (see ``configs/gpt/tiny.yaml``)::
 
-    model:     {family: gpt | bert | unet-seg | unet-diffusion, preset: tiny, <any field of the family's config>: value}
+    model:     {family: gpt | bert | unet-segmentation | unet-diffusion, preset: tiny, <any field of the family's config>: value}
     parallel:  {tp, pp, zero_stage, sequence_parallel, activation_checkpointing, partition_method}
     training:  {seed, steps, micro_batch_size, global_batch_size, gradient_accumulation_steps, seq_length,
                 lr, min_lr, warmup_steps, weight_decay, adam_beta1, adam_beta2, adam_eps, grad_clip, precision}

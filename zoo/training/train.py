@@ -302,6 +302,7 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
         record = {"step": step, "val_loss": val, **({"val_ppl": math.exp(min(val, 50.0))} if family.unit == "tokens"
                                                     else {}), **extra}
         metrics.write(record, prefix="val")
+        family.after_evaluation(engine, cfg, grid, data, step)  # collective: e.g. a U-Net's mask grid
         if grid.rank == 0:
             names = {"val_ppl": "perplexity"}
             shown = " | ".join(f"{names.get(k, k.removeprefix('val_'))} {v:.4g}" for k, v in record.items()
@@ -476,9 +477,10 @@ def main(argv=None) -> int:
     say = lambda s: print(s, flush=True)  # noqa: E731
     if grid.rank == 0:
         count = model_cfg.num_parameters() if hasattr(model_cfg, "num_parameters") else float("nan")
+        per_sample = f" x {cfg.training.seq_length} tokens" if get_family(cfg.model.family).unit == "tokens" else ""
         say(f"zoo: {cfg.model.family} {count / 1e6:.2f}M parameters | tp={grid.tp} pp={grid.pp} dp={grid.dp} "
-            f"zero={cfg.parallel.zero_stage} | global batch {cfg.global_batch_size} x {cfg.training.seq_length} "
-            f"tokens | {cfg.training.precision} | data: {cfg.data.source}")
+            f"zero={cfg.parallel.zero_stage} | global batch {cfg.global_batch_size}{per_sample} | "
+            f"{cfg.training.precision} | data: {cfg.data.source}")
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     try:

@@ -19,7 +19,7 @@ from typing import Any
 
 # family name -> module defining FAMILY
 REGISTRY = {"gpt": "zoo.training.families.gpt", "bert": "zoo.training.families.bert",
-            "bert-classifier": "zoo.training.families.bert", "unet-seg": "zoo.training.families.unet",
+            "bert-classifier": "zoo.training.families.bert", "unet-segmentation": "zoo.training.families.unet",
             "unet-diffusion": "zoo.training.families.unet"}
 
 
@@ -87,6 +87,9 @@ class Family:
 
     def derive_metrics(self, stats: dict) -> dict:
         return {}
+
+    def after_evaluation(self, engine, cfg, grid, data, step: int) -> None:
+        """Called on every rank after each evaluation (collective work allowed), e.g. to draw predictions."""
 
     def after_training(self, model_dir, log) -> None:
         """Anything shown at the end from the exported model (a text sample, an image grid); global rank 0 alone."""

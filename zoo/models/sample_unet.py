@@ -1,0 +1,176 @@
+"""A zoo U-Net folder as one plain module, and a grid of images sampled from a diffusion U-Net.
+
+    python -m zoo.models.sample_unet --ckpt runs/unet-diffusion --out grid.png --num 16 --steps 50 --seed 0
+
+:class:`PretrainedUNet` follows huggingface_hub's ``ModelHubMixin`` conventions: ``from_pretrained(folder)`` reads
+``config.json`` and ``model.safetensors`` (or the sharded index) and ``save_pretrained(folder)`` writes them. The
+folder is a zoo model folder (``zoo.convert.io``: ``config.json`` holds ``{"zoo_format", "family", "config"}``),
+so what launch/train.py exports, in any layout, loads here and what this writes trains on with ``--init``.
+Sampling is DDPM's ancestral sampler (``zoo.models.unet.ddpm_sample``, Ho et al. 2020, Algorithm 2) with
+``--steps`` of the 1000 training timesteps ("leading" spacing, as diffusers' DDPMScheduler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from zoo.models.specs import SpecSequential
+
+
+def resolve_model_folder(path: str | os.PathLike) -> Path:
+    """A zoo model folder: ``path`` itself, or a run folder's ``model/``."""
+    from zoo.convert import io
+
+    path = Path(path).expanduser()
+    for folder in (path, path / "model"):
+        if io.is_model_folder(folder):
+            return folder
+    if not path.exists():
+        raise io.CheckpointError(f"{path} does not exist")
+    raise io.CheckpointError(f"{path} is not a zoo model folder (no config.json with zoo_format) and has no model/ "
+                             f"subfolder; pass a folder exported by launch/train.py or its run folder")
+
+
+class PretrainedUNet(SpecSequential):
+    """A segmentation or diffusion U-Net (``zoo.models.unet``) in one process, tp=1: the same layers, names and
+    forward as in training. Segmentation: ``model(images) -> logits [b, classes, H, W]``; diffusion:
+    ``model((x_t, timesteps)) -> predicted noise``."""
+
+    def __init__(self, config):
+        from zoo.models.gpt import ParallelOptions
+        from zoo.models.unet import family_of, layer_specs
+
+        super().__init__(layer_specs(config, ParallelOptions()))
+        self.config, self.family = config, family_of(config)
+
+    @classmethod
+    def from_pretrained(cls, folder: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> "PretrainedUNet":
+        """Load a zoo U-Net folder (or a run folder with ``model/``), in eval mode."""
+        from zoo.convert import io
+        from zoo.models.unet import config_from_dict
+
+        folder = resolve_model_folder(folder)
+        family, config = io.read_config(folder)
+        try:
+            model = cls(config_from_dict(family, config))
+        except ValueError as e:
+            raise io.CheckpointError(f"{folder}: {e}") from None
+        io.load_model(folder, model)
+        return model.to(dtype).eval()
+
+    def save_pretrained(self, folder: str | os.PathLike) -> Path:
+        """Write ``config.json`` + ``model.safetensors`` (a zoo model folder), replacing ``folder`` once complete."""
+        from zoo.convert import io
+
+        tensors = ((name, p.detach().cpu().contiguous()) for name, p in self.named_parameters())
+        return io.write_model_folder(folder, self.family, self.config.to_dict(), tensors)
+
+    @torch.no_grad()
+    def segment(self, images: torch.Tensor, batch_size: int = 16) -> torch.Tensor:
+        """Per-pixel classes ``[b, H, W]`` int64 of ``images [b, C, H, W]`` in [-1, 1] (segmentation U-Nets)."""
+        if self.family != "unet-segmentation":
+            raise ValueError(f"segment() needs a segmentation U-Net, this is {self.family}")
+        dtype = next(self.parameters()).dtype
+        return torch.cat([self(chunk.to(dtype)).argmax(1) for chunk in images.split(batch_size)])
+
+    @torch.no_grad()
+    def sample(self, num: int, *, steps: int = 50, seed: int = 0, batch_size: int = 64) -> torch.Tensor:
+        """``num`` images ``[num, C, H, W]`` in [-1, 1] by DDPM ancestral sampling (diffusion U-Nets).
+        Deterministic in ``seed``; drawn ``batch_size`` at a time (batch k seeded ``seed + k``)."""
+        from zoo.models.unet import ddpm_sample
+
+        if self.family != "unet-diffusion":
+            raise ValueError(f"sample() needs a diffusion U-Net, this is {self.family}")
+        h, w = self.config.sizes
+        dtype = next(self.parameters()).dtype
+        model_fn = lambda x, t: self((x.to(dtype), t)).float()  # noqa: E731
+        out = []
+        for k, first in enumerate(range(0, num, batch_size)):
+            n = min(batch_size, num - first)
+            out.append(ddpm_sample(model_fn, (n, self.config.in_channels, h, w), seed=seed + k,
+                                   num_inference_steps=steps))
+        return torch.cat(out)
+
+
+def image_grid(images: torch.Tensor, cols: int | None = None, pad: int = 2, scale: int = 1):
+    """``[n, C, H, W]`` in [-1, 1] -> one uint8 ``[rows (H + pad) + pad, cols (W + pad) + pad, 3]`` array,
+    tiles in row-major order on a white background, each pixel repeated ``scale`` times."""
+    import numpy as np
+
+    from zoo.data.image_folders import grid_shape
+
+    n, c, h, w = images.shape
+    rows, cols = grid_shape(n) if cols is None else ((n + cols - 1) // cols, cols)
+    tiles = ((images.detach().float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    tiles = tiles.repeat(1, 3, 1, 1) if c == 1 else tiles[:, :3]
+    tiles = tiles.repeat_interleave(scale, 2).repeat_interleave(scale, 3)  # [n, 3, sH, sW]
+    h, w = h * scale, w * scale
+    canvas = np.full((rows * (h + pad) + pad, cols * (w + pad) + pad, 3), 255, dtype=np.uint8)
+    for i in range(n):
+        r, q = divmod(i, cols)
+        y, x = pad + r * (h + pad), pad + q * (w + pad)
+        canvas[y:y + h, x:x + w] = tiles[i].permute(1, 2, 0).numpy()
+    return canvas
+
+
+def save_grid(path: str | os.PathLike, images: torch.Tensor, *, scale: int | None = None) -> Path:
+    """Write :func:`image_grid` as a PNG; small images are enlarged (nearest) to about 64 pixels a tile."""
+    from PIL import Image
+
+    scale = scale or max(1, 64 // max(images.shape[-2:]))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(image_grid(images, scale=scale)).save(path)
+    return path
+
+
+def sample_grid(ckpt: str | os.PathLike, out: str | os.PathLike, *, num: int = 16, steps: int = 50,
+                seed: int = 0) -> Path:
+    """Sample ``num`` images from the diffusion U-Net in ``ckpt`` into the PNG grid ``out``."""
+    from zoo.convert.io import CheckpointError
+
+    model = PretrainedUNet.from_pretrained(ckpt)
+    if model.family != "unet-diffusion":
+        raise CheckpointError(f"{ckpt} holds a {model.family!r} model; sampling needs a unet-diffusion folder")
+    return save_grid(out, model.sample(num, steps=steps, seed=seed))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="sample_unet", description="Sample a PNG grid of images from a zoo diffusion "
+                                                               "U-Net folder (DDPM ancestral sampling, one process).")
+    p.add_argument("--ckpt", required=True, metavar="DIR",
+                   help="a zoo unet-diffusion model folder, or a run folder holding model/")
+    p.add_argument("--out", required=True, metavar="GRID.png", help="where to write the grid")
+    p.add_argument("--num", type=int, default=16, help="images to sample (default 16)")
+    p.add_argument("--steps", type=int, default=50, help="DDPM sampling steps, 1..1000 (default 50)")
+    p.add_argument("--seed", type=int, default=0, help="the same seed gives the same images (default 0)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from zoo.convert.io import CheckpointError
+
+    args = parse_args(argv)
+    if args.num < 1:
+        print(f"error: --num must be >= 1, got {args.num}", file=sys.stderr)
+        return 2
+    if not 1 <= args.steps <= 1000:
+        print(f"error: --steps must be in [1, 1000] (of the 1000 training timesteps), got {args.steps}",
+              file=sys.stderr)
+        return 2
+    try:
+        path = sample_grid(args.ckpt, args.out, num=args.num, steps=args.steps, seed=args.seed)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {path} ({args.num} images, {args.steps} DDPM steps, seed {args.seed})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""One command per task for every family: ``launch/generate.py`` and ``launch/finetune.py`` look at the model
+folder they are given (``--ckpt`` / ``--init``) and hand the command line to that family's implementation."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def family_of(path: str | None) -> str | None:
+    """The model family of a zoo folder (or a run folder holding ``model/``) or of a HuggingFace folder; None when
+    it cannot be told (the default implementation then reports the problem)."""
+    if path is None:
+        return None
+    folder = Path(path)
+    if (folder / "model" / "config.json").is_file() and not (folder / "config.json").is_file():
+        folder = folder / "model"
+    try:
+        meta = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if "zoo_format" in meta:
+        return meta.get("family")
+    archs = meta.get("architectures") or []
+    if any(a == "BertForSequenceClassification" for a in archs):
+        return "bert-classifier"
+    if any(a.startswith("Bert") for a in archs) or meta.get("model_type") == "bert":
+        return "bert"
+    if meta.get("_class_name") == "UNet2DModel":
+        return "unet-diffusion"
+    return "gpt"
+
+
+def generate_main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if family_of(_flag(argv, "--ckpt")) == "unet-diffusion":
+        from zoo.models.sample_unet import main
+    else:
+        from zoo.models.generate import main
+    return main(argv)
+
+
+def finetune_main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    family = family_of(_flag(argv, "--init"))
+    if family in ("bert", "bert-classifier"):
+        from zoo.training.finetune_bert import main
+    elif family == "unet-segmentation":
+        from zoo.training.finetune_unet import main
+    else:
+        from zoo.training.finetune import main
+    return main(argv)
