@@ -80,3 +80,15 @@ def test_single_shape_area_matches_geometry(kind, area):
         assert centre == s.label, f"sample {i}: the centre of a {kind} is not labelled {kind}"
         checked += 1
     assert checked >= 5, f"only {checked} {kind}s fully inside the image were checked"
+
+
+def test_write_folders_round_trip(tmp_path):
+    from zoo.data.image_folders import match_pairs, read_mask
+    from zoo.data.shapes import ShapesSegmentation, main
+
+    assert main(["--out", str(tmp_path), "--num", "3", "--size", "16"]) == 0
+    pairs = match_pairs(tmp_path / "images", tmp_path / "masks")
+    assert [stem for stem, *_ in pairs] == ["00000", "00001", "00002"]
+    ds = ShapesSegmentation(16, seed=0, length=3)
+    for i, (_, _, mask_path) in enumerate(pairs):
+        assert torch.equal(read_mask(mask_path), ds[i][1])  # labels survive the PNG exactly

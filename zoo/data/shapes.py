@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -131,3 +132,39 @@ def stack(dataset, indices) -> tuple[torch.Tensor, ...] | torch.Tensor:
     if isinstance(samples[0], tuple):
         return tuple(torch.stack(parts) for parts in zip(*samples))
     return torch.stack(samples)
+
+
+def write_folders(out, num: int, size: int = 32, seed: int = 0) -> tuple[Path, Path]:
+    """Write ``num`` samples as ``out/images/NNNNN.png`` and ``out/masks/NNNNN.png`` (the folder format that
+    ``data.source: folders`` and ``launch/finetune.py --images --masks`` read)."""
+    from zoo.data.image_folders import save_image, save_mask
+
+    out = Path(out)
+    images, masks = out / "images", out / "masks"
+    images.mkdir(parents=True, exist_ok=True)
+    masks.mkdir(parents=True, exist_ok=True)
+    ds = ShapesSegmentation(size, seed=seed, length=num)
+    for i in range(num):
+        image, mask = ds[i]
+        save_image(images / f"{i:05d}.png", image)
+        save_mask(masks / f"{i:05d}.png", mask)
+    return images, masks
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m zoo.data.shapes",
+                                description="Write the procedural shapes segmentation data as image/mask PNG folders.")
+    p.add_argument("--out", required=True, help="folder to create images/ and masks/ in")
+    p.add_argument("--num", type=int, default=64, help="number of pairs (default 64)")
+    p.add_argument("--size", type=int, default=32, help="image side in pixels (default 32)")
+    p.add_argument("--seed", type=int, default=0, help="another seed gives other images (default 0)")
+    args = p.parse_args(argv)
+    images, masks = write_folders(args.out, args.num, args.size, args.seed)
+    print(f"wrote {args.num} image/mask pairs to {images} and {masks}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
