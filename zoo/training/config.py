@@ -208,10 +208,6 @@ def load(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
     return from_dict(apply_overrides(raw, list(overrides)))
 
 
-# Fields a run may change in a model it initializes from (they do not change the weights' shapes or meaning).
-INIT_OVERRIDABLE = ("hidden_dropout", "attention_dropout")
-
-
 def init_model_config(cfg: RunConfig):
     """The model config of ``training.init_from`` (zoo folder, or what the family imports: an HF folder or Hub id
     for GPT) and the tokenizer folder beside it, if any."""
@@ -219,12 +215,15 @@ def init_model_config(cfg: RunConfig):
     from zoo.training.families import get_family
 
     src = cfg.training.init_from
-    bad = sorted(set(cfg.model.overrides) - set(INIT_OVERRIDABLE))
-    if bad:
-        raise ConfigError(f"model fields {bad} cannot be set when initializing from {src}: the model comes from "
-                          f"there (only {list(INIT_OVERRIDABLE)} may change)")
     try:
         family = get_family(cfg.model.family)
+    except ValueError as e:
+        raise ConfigError(f"model: {e}") from None
+    bad = sorted(set(cfg.model.overrides) - set(family.init_overridable))
+    if bad:
+        raise ConfigError(f"model fields {bad} cannot be set when initializing from {src}: the model comes from "
+                          f"there (only {list(family.init_overridable)} may change)")
+    try:
         if not io.is_model_folder(src):
             return family.config_from_init(src, cfg.model.overrides)
         name, config = io.read_config(src)

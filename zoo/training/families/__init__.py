@@ -37,6 +37,7 @@ class Family:
     config_class: type = None
     checkpointable_layers: tuple[str, ...] = ()
     unit = "tokens"  # what throughput counts ("tokens" or "samples")
+    init_overridable: tuple[str, ...] = ()  # config fields a run may change in a model it initializes from
 
     def build_config(self, preset: str | None, overrides: dict):
         if preset is None:

@@ -13,6 +13,7 @@ SOURCES = ("embedded", "indexed", "synthetic", "instruct")  # instruct: launch/f
 class GPTFamily(Family):
     name = "gpt"
     checkpointable_layers = ("GPTBlock",)
+    init_overridable = ("hidden_dropout", "attention_dropout")
 
     @property
     def config_class(self):

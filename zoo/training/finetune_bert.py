@@ -1,0 +1,288 @@
+"""Fine-tune a BERT for sequence classification, in any layout; the result as a zoo folder and a HF folder.
+
+    python -m zoo.training.finetune_bert --init runs/bert-tiny/model --data train.csv --valid-data valid.csv
+    torchrun --nproc_per_node 2 -m zoo.training.finetune_bert --init DIR --data train.jsonl --tp 2 --out runs/cls
+
+The run is launch/train.py's (``zoo.training.train.train``: tp/pp/dp/ZeRO, evaluation, checkpoints, exact resume)
+with the ``bert-classifier`` family (zoo/training/families/bert.py). What this entry point adds:
+
+- ``--data`` / ``--valid-data``: csv or jsonl with ``text``, optional ``text_pair`` and ``label``; without
+  ``--valid-data`` a ``data.valid_fraction`` of the rows is held out. The labels are the training file's distinct
+  values in sorted order; ``model.num_labels`` is set from them.
+- ``--init DIR``: a zoo BERT folder (family ``bert``, e.g. launch/train.py's ``<out>/model``, or
+  ``bert-classifier``), or a HuggingFace BERT folder (imported with ``zoo.convert.hf_bert.hf_to_zoo_bert``). Its
+  config is the model's and its tokenizer the run's. The encoder and pooler load; a classifier head of another
+  shape is new (``families.bert.write_classifier_init`` writes ``<out>/init-model`` once, on global rank 0, which the
+  run then loads in its own layout). Without ``--init``: the config's preset, randomly initialized, with
+  ``--set data.tokenizer=DIR``.
+- Evaluation covers the whole validation set every time (``eval_iters`` is derived from its size): ``val_accuracy``
+  and ``val_f1`` (macro) in metrics.jsonl.
+- At the end: ``<out>/model`` (zoo; ``labels.json`` holds ``id2label``/``label2id``) and ``<out>/hf``
+  (``BertForSequenceClassification`` with the label names, via ``zoo.convert.hf_bert.zoo_to_hf_bert``).
+
+Bad input is one ``error: ...`` line and exit status 2 before any process group exists and before anything is
+written: a missing file or column, a validation label the training file lacks, a single label, an init folder of
+another family. Examples longer than ``training.seq_length`` (at most ``max_position_embeddings``) are truncated,
+longest segment first, and counted in one warning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+from zoo.training.config import ConfigError, RunConfig, load, validate
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "bert" / "classify.yaml"
+FAMILY = "bert-classifier"
+INIT_FAMILIES = ("bert", "bert-classifier")
+# Fields a run may change in the model it initializes from (they do not change the weights' shapes or meaning).
+INIT_OVERRIDABLE = ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        prog="python -m zoo.training.finetune_bert",
+        description="Fine-tune a BERT for sequence classification. Works in one process, under torchrun and under "
+                    "the deepspeed launcher; data parallelism is world_size / (tp x pp). Writes OUT/model (zoo) and "
+                    "OUT/hf (transformers' BertForSequenceClassification).")
+    p.add_argument("--init", metavar="DIR",
+                   help="the BERT to start from: a zoo folder (family bert or bert-classifier) or a HuggingFace BERT "
+                        "folder; its tokenizer is used unless --set data.tokenizer=DIR. Default: the config's preset, "
+                        "randomly initialized")
+    p.add_argument("--data", required=True, metavar="FILE",
+                   help="training examples, .csv or .jsonl with columns text, label and optionally text_pair")
+    p.add_argument("--valid-data", metavar="FILE",
+                   help="validation examples, same format (default: hold out data.valid_fraction of --data)")
+    p.add_argument("--config", default=str(DEFAULT_CONFIG),
+                   help=f"run config YAML (default: {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])})")
+    p.add_argument("--tp", type=int, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, help="pipeline-parallel size")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (pp > 1 allows 0 or 1)")
+    p.add_argument("--steps", type=int, help="number of optimizer steps (the run's total, also when resuming)")
+    p.add_argument("--eval-interval", type=int, metavar="N",
+                   help="evaluate every N steps (also before step 1 and at the end); 0: never")
+    p.add_argument("--save-interval", type=int, metavar="N",
+                   help="checkpoint every N steps into OUT/checkpoints (the last step is always saved)")
+    p.add_argument("--out", help="output folder: config.yaml, metrics.jsonl, loss.png, checkpoints/, model/, hf/")
+    p.add_argument("--load", metavar="DIR",
+                   help="resume from a run folder (or its checkpoints/ folder); without --load, a run resumes from "
+                        "OUT/checkpoints when that exists")
+    p.add_argument("--load-step", type=int, metavar="N", help="with --load: that step instead of the latest")
+    p.add_argument("--no-sample", action="store_true", help="skip the predictions printed at the end")
+    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override any config field, e.g. --set training.lr=1e-4 training.seq_length=256")
+    args, _unknown = p.parse_known_args(argv)  # the deepspeed launcher adds --local_rank=N
+    return args
+
+
+def config_from_args(args) -> RunConfig:
+    overrides = list(args.set)
+    for flag, key in (("tp", "parallel.tp"), ("pp", "parallel.pp"), ("zero", "parallel.zero_stage"),
+                      ("steps", "training.steps"), ("eval_interval", "training.eval_interval"),
+                      ("save_interval", "training.save_interval")):
+        value = getattr(args, flag)
+        if value is not None:
+            overrides.append(f"{key}={value}")
+    cfg = load(args.config, overrides)
+    # Paths are set as given, not through --set's YAML parsing (a path may hold ':' or look like a number).
+    if args.out is not None:
+        cfg.out = args.out
+    if args.init is not None:
+        cfg.training.init_from = args.init
+    cfg.data.source = "classification"
+    cfg.data.paths = [args.data]
+    if args.valid_data is not None:
+        cfg.data.valid_paths = [args.valid_data]
+    return cfg
+
+
+def init_source(src: str) -> tuple[str, dict, str | None]:
+    """``(kind, BertConfig fields, tokenizer folder or None)`` of ``--init``: kind "zoo" or "hf"."""
+    from zoo.convert import io
+
+    folder = Path(src)
+    if not folder.is_dir():
+        raise ConfigError(f"--init {src}: the folder does not exist")
+    has_tokenizer = any((folder / n).is_file() for n in io.TOKENIZER_FILES[:2])
+    if io.is_model_folder(folder):
+        try:
+            family, config = io.read_config(folder)
+        except io.CheckpointError as e:
+            raise ConfigError(f"--init: {e}") from None
+        if family not in INIT_FAMILIES:
+            raise ConfigError(f"--init {src} holds a {family!r} model; fine-tuning a classifier needs a BERT "
+                              f"(family {' or '.join(INIT_FAMILIES)})")
+        return "zoo", {k: v for k, v in config.items() if k != "head"}, str(folder) if has_tokenizer else None
+    try:
+        from zoo.convert import hf_bert
+    except ImportError:
+        raise ConfigError(f"--init {src} is not a zoo model folder (no zoo config.json), and this version cannot "
+                          f"import HuggingFace BERT folders") from None
+    try:
+        arch, hf_cfg = hf_bert.read_hf_config(hf_bert.model_folder(folder))
+        config = hf_bert.bert_config_from_hf(arch, hf_cfg).to_dict()
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"--init {src}: {e}") from None
+    return "hf", config, str(folder) if has_tokenizer else None
+
+
+def validate_run(cfg: RunConfig, world_size: int) -> tuple:
+    """The model config (``num_labels`` from the data), the label names and the init kind; checks everything that
+    can be checked before a process group exists."""
+    from zoo.training.families import get_family
+    from zoo.training.families.bert import classification_tables
+
+    if cfg.model.family != FAMILY:
+        raise ConfigError(f"fine-tuning a classifier needs model.family {FAMILY}, got {cfg.model.family!r}")
+    try:
+        _, _, names = classification_tables(cfg)
+    except (ValueError, OSError) as e:
+        raise ConfigError(str(e)) from None
+    src, kind = cfg.training.init_from, None
+    if src is not None:
+        kind, init_config, tokenizer = init_source(src)
+        bad = sorted(set(cfg.model.overrides) - set(INIT_OVERRIDABLE))
+        if bad:
+            raise ConfigError(f"model fields {bad} cannot be set when initializing from {src}: the model comes from "
+                              f"there (only {list(INIT_OVERRIDABLE)} may change)")
+        cfg.model.preset = None
+        cfg.model.overrides = {**init_config, **cfg.model.overrides, "num_labels": len(names)}
+        if cfg.data.tokenizer is None:
+            cfg.data.tokenizer = tokenizer
+    else:
+        cfg.model.overrides = {**cfg.model.overrides, "num_labels": len(names)}
+    # The init folder is prepared after the process group exists (write_classifier_init); config.validate sees a
+    # fresh model of the same config meanwhile.
+    cfg.training.init_from = None
+    try:
+        model_cfg = validate(cfg, world_size)
+    finally:
+        cfg.training.init_from = src
+    get_family(FAMILY)  # importable
+    return model_cfg, names, kind
+
+
+def prepare_init_folder(cfg: RunConfig, model_cfg, kind: str, grid, say) -> Path:
+    """``<out>/init-model``: the classifier initialized from ``--init``, written once by global rank 0."""
+    from zoo.parallel.shards import barrier
+    from zoo.training.families.bert import write_classifier_init
+
+    out = Path(cfg.out)
+    folder = out / "init-model"
+    if grid.rank == 0:
+        src = Path(cfg.training.init_from)
+        if kind == "hf":
+            from zoo.convert.hf_bert import hf_to_zoo_bert
+
+            src = hf_to_zoo_bert(src, out / "init-imported")
+        report = write_classifier_init(src, folder, model_cfg, seed=cfg.training.seed,
+                                       tokenizer_dir=cfg.data.tokenizer)
+        say(f"init from {cfg.training.init_from}: {len(report['loaded'])} tensors loaded, new: "
+            f"{', '.join(report['initialized']) or 'none'}; not used: {len(report['dropped'])} "
+            f"({', '.join(sorted({n.split('.', 1)[0] + '.' + n.split('.')[1] for n in report['dropped']})) or '-'})")
+    barrier()
+    return folder
+
+
+def write_labels(model_dir: Path, names: list) -> None:
+    """``labels.json`` beside the weights (zoo.convert.hf_bert's convention), names as strings."""
+    id2label = {str(i): str(name) for i, name in enumerate(names)}
+    data = {"id2label": id2label, "label2id": {v: int(k) for k, v in id2label.items()},
+            "problem_type": "single_label_classification"}
+    tmp = model_dir / ".labels.json.tmp"
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, model_dir / "labels.json")
+
+
+def export_hf(model_dir: Path, out: Path) -> Path | None:
+    """``<out>/hf`` from ``<out>/model``; None (with a note) where zoo.convert.hf_bert is not available."""
+    try:
+        from zoo.convert.hf_bert import zoo_to_hf_bert
+    except ImportError:
+        return None
+    return zoo_to_hf_bert(model_dir, out / "hf")
+
+
+def main(argv=None) -> int:
+    from zoo.convert.io import save_model
+    from zoo.parallel.topology import destroy_model_parallel, initialize_model_parallel
+    from zoo.training.checkpoint import ResumeError
+    from zoo.training.families import get_family
+    from zoo.training.train import resume_plan, train
+
+    args = parse_args(argv)
+    rank0 = os.environ.get("RANK", "0") == "0"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        cfg = config_from_args(args)
+        model_cfg, names, kind = validate_run(cfg, world)  # before any process group exists
+        resume, universal = resume_plan(cfg, model_cfg, args)
+    except (ConfigError, ResumeError) as e:
+        if rank0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    family = get_family(FAMILY)
+    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp)
+    out, tr = Path(cfg.out), cfg.training
+    say = lambda s: print(s, flush=True)  # noqa: E731
+    try:
+        data = family.classification_data(cfg, model_cfg)
+        # Every evaluation covers the validation set once: ceil(N / global batch) batches (the tail is padding
+        # samples with label -100, which the loss and the metrics skip).
+        if data["valid"] is not None:
+            tr.eval_iters = max(1, math.ceil(data["valid_examples"] / cfg.global_batch_size))
+        if grid.rank == 0:
+            say(f"zoo fine-tune ({FAMILY}) of {tr.init_from or 'a random ' + str(cfg.model.preset)}: "
+                f"{model_cfg.num_parameters('classification') / 1e6:.2f}M parameters | {len(names)} labels "
+                f"{[str(n) for n in names[:10]]} | tp={grid.tp} pp={grid.pp} dp={grid.dp} "
+                f"zero={cfg.parallel.zero_stage} | global batch {cfg.global_batch_size} x {tr.seq_length} tokens | "
+                f"{tr.precision} | {data['examples'] - data['valid_examples']} training, {data['valid_examples']} "
+                f"validation examples")
+            if data["truncated"]:
+                print(f"warning: {data['truncated']} of {data['examples']} example(s) are longer than "
+                      f"training.seq_length {tr.seq_length} tokens and were truncated (longest segment first); raise "
+                      f"training.seq_length (at most max_position_embeddings {model_cfg.max_position_embeddings}) "
+                      f"to keep them whole", file=sys.stderr, flush=True)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        if tr.init_from is not None and resume is None:
+            tr.init_from = str(prepare_init_folder(cfg, model_cfg, kind, grid, say))
+        from zoo.training.families import Data
+
+        result = train(cfg, model_cfg, grid, log=say, resume=resume, universal=universal,
+                       data=Data(data["train"], data["valid"], cfg.data.tokenizer), keep_engine=True, progress=True)
+        engine = result.engine
+        if tr.save:
+            save_model(out / "model", engine.module, grid, FAMILY, model_cfg.to_dict(),
+                       tokenizer_dir=cfg.data.tokenizer)
+        engine.destroy()
+    finally:
+        is_rank0 = grid.rank == 0
+        destroy_model_parallel()
+    if not (is_rank0 and tr.save):
+        return 0
+    write_labels(out / "model", names)
+    hf = export_hf(out / "model", out)
+    where = f"HF model {hf} (AutoModelForSequenceClassification loads it)" if hf is not None else \
+        "no HF export (zoo.convert.hf_bert is not available)"
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "val_accuracy" in r]
+    if evals:
+        first, last = evals[0], evals[-1]
+        say(f"validation accuracy {first['val_accuracy']:.3f} (step {first['step']}) -> {last['val_accuracy']:.3f} "
+            f"(step {last['step']}), macro F1 {last.get('val_f1', float('nan')):.3f}")
+    say(f"done: zoo model {out / 'model'} | {where} | metrics {out / 'metrics.jsonl'}")
+    if not args.no_sample:
+        family.after_training(out / "model", say)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
