@@ -20,7 +20,6 @@ Layers never read the grid while running: they take ``tp_group=None`` and resolv
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -45,12 +44,6 @@ def check_layout(world_size: int, tp: int = 1, pp: int = 1) -> int:
     return world_size // (tp * pp)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(timeout_minutes: float | None = None) -> None:
     """Start torch.distributed once, under any launcher or none.
 
@@ -64,16 +57,18 @@ def init_distributed(timeout_minutes: float | None = None) -> None:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    launched = any(v in os.environ for v in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"))
+    # A child of a plain process inherits the RANK/WORLD_SIZE=1 it set below; that is not a launcher speaking.
+    inherited = os.environ.get("ZOO_WORLD_OF_ONE", str(os.getpid())) != str(os.getpid()) \
+        and os.environ.get("WORLD_SIZE") == "1"
+    launched = not inherited and any(v in os.environ for v in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
+                                                               "SLURM_NTASKS"))
     kwargs = {}
     if timeout_minutes is not None:
         from datetime import timedelta
 
         kwargs["timeout"] = timedelta(minutes=timeout_minutes)
     if not launched:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", ZOO_WORLD_OF_ONE=str(os.getpid()))
         # A world of one needs no rendezvous: an in-memory store, so no port is ever bound (no clash with other
         # processes on the machine). DeepSpeed then wraps the existing group.
         dist.init_process_group(get_accelerator().communication_backend_name(), store=dist.HashStore(), rank=0,
