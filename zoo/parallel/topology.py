@@ -69,6 +69,9 @@ def init_distributed(timeout_minutes: float | None = None) -> None:
         kwargs["timeout"] = timedelta(minutes=timeout_minutes)
     if not launched:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", ZOO_WORLD_OF_ONE=str(os.getpid()))
+        # DeepSpeed checks that these exist (else it tries MPI discovery); nothing listens on them.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
         # A world of one needs no rendezvous: an in-memory store, so no port is ever bound (no clash with other
         # processes on the machine). DeepSpeed then wraps the existing group.
         dist.init_process_group(get_accelerator().communication_backend_name(), store=dist.HashStore(), rank=0,
