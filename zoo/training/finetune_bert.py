@@ -37,7 +37,9 @@ from pathlib import Path
 
 import yaml
 
-from zoo.training.config import ConfigError, RunConfig, load, validate
+from zoo.training.config import ConfigError, RunConfig, validate
+from zoo.training.train import add_run_flags
+from zoo.training.train import config_from_args as train_config_from_args
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "bert" / "classify.yaml"
 FAMILY = "bert-classifier"
@@ -62,36 +64,16 @@ def parse_args(argv=None):
                    help="validation examples, same format (default: hold out data.valid_fraction of --data)")
     p.add_argument("--config", default=str(DEFAULT_CONFIG),
                    help=f"run config YAML (default: {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])})")
-    p.add_argument("--tp", type=int, help="tensor-parallel size")
-    p.add_argument("--pp", type=int, help="pipeline-parallel size")
-    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (pp > 1 allows 0 or 1)")
-    p.add_argument("--steps", type=int, help="number of optimizer steps (the run's total, also when resuming)")
-    p.add_argument("--eval-interval", type=int, metavar="N",
-                   help="evaluate every N steps (also before step 1 and at the end); 0: never")
-    p.add_argument("--save-interval", type=int, metavar="N",
-                   help="checkpoint every N steps into OUT/checkpoints (the last step is always saved)")
+    add_run_flags(p, eval_help="evaluation (loss, accuracy, F1)")
     p.add_argument("--out", help="output folder: config.yaml, metrics.jsonl, loss.png, checkpoints/, model/, hf/")
-    p.add_argument("--load", metavar="DIR",
-                   help="resume from a run folder (or its checkpoints/ folder); without --load, a run resumes from "
-                        "OUT/checkpoints when that exists")
-    p.add_argument("--load-step", type=int, metavar="N", help="with --load: that step instead of the latest")
     p.add_argument("--no-sample", action="store_true", help="skip the predictions printed at the end")
-    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override any config field, e.g. --set training.lr=1e-4 training.seq_length=256")
     args, _unknown = p.parse_known_args(argv)  # the deepspeed launcher adds --local_rank=N
     return args
 
 
 def config_from_args(args) -> RunConfig:
-    overrides = list(args.set)
-    for flag, key in (("tp", "parallel.tp"), ("pp", "parallel.pp"), ("zero", "parallel.zero_stage"),
-                      ("steps", "training.steps"), ("eval_interval", "training.eval_interval"),
-                      ("save_interval", "training.save_interval")):
-        value = getattr(args, flag)
-        if value is not None:
-            overrides.append(f"{key}={value}")
-    cfg = load(args.config, overrides)
     # Paths are set as given, not through --set's YAML parsing (a path may hold ':' or look like a number).
+    cfg = train_config_from_args(argparse.Namespace(**{**vars(args), "init": None, "out": None}))
     if args.out is not None:
         cfg.out = args.out
     if args.init is not None:

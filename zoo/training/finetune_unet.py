@@ -24,6 +24,7 @@ from pathlib import Path
 import yaml
 
 from zoo.training.config import ConfigError, RunConfig, validate
+from zoo.training.train import add_run_flags
 from zoo.training.train import config_from_args as train_config_from_args
 from zoo.training.train import resume_plan
 
@@ -48,21 +49,10 @@ def parse_args(argv=None):
                    help="without --valid-images: hold out this fraction of the pairs for validation (0: none)")
     p.add_argument("--config", default=str(DEFAULT_CONFIG),
                    help=f"run config YAML (default: {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])})")
-    p.add_argument("--tp", type=int, help="tensor-parallel size")
-    p.add_argument("--pp", type=int, help="pipeline-parallel size")
-    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (pp > 1 allows 0 or 1)")
-    p.add_argument("--steps", type=int, help="number of optimizer steps (the run's total, also when resuming)")
-    p.add_argument("--eval-interval", type=int, metavar="N",
-                   help="validation loss, Dice and IoU every N steps (also before step 1 and at the end); 0: never")
-    p.add_argument("--save-interval", type=int, metavar="N",
-                   help="checkpoint every N steps into OUT/checkpoints (the last step is always saved)")
+    add_run_flags(p, eval_help="validation loss, Dice and IoU")
     p.add_argument("--out", help=f"output folder (default {DEFAULT_OUT}): config.yaml, metrics.jsonl, loss.png, "
                                  f"checkpoints/, model/, samples/")
-    p.add_argument("--load", metavar="DIR", help="resume from a run folder (or its checkpoints/ folder)")
-    p.add_argument("--load-step", type=int, metavar="N", help="with --load: that step instead of the latest")
     p.add_argument("--no-sample", action="store_true", help="skip the grid drawn from the exported model")
-    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override any config field, e.g. --set training.lr=1e-3 training.micro_batch_size=8")
     args, _unknown = p.parse_known_args(argv)  # the deepspeed launcher adds --local_rank=N
     return args
 

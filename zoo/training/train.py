@@ -376,6 +376,25 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
     return losses
 
 
+def add_run_flags(p: argparse.ArgumentParser, *, eval_help: str = "validation loss",
+                  load_help: str = "") -> None:
+    """The flags every run command shares (train, finetune): layout, steps, intervals, resume, --set."""
+    p.add_argument("--tp", type=int, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, help="pipeline-parallel size")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (pp > 1 allows 0 or 1)")
+    p.add_argument("--steps", type=int, help="number of optimizer steps (the run's total, also when resuming)")
+    p.add_argument("--eval-interval", type=int, metavar="N",
+                   help=f"{eval_help} every N steps (also before step 1 and at the end); 0: never")
+    p.add_argument("--save-interval", type=int, metavar="N",
+                   help="checkpoint every N steps into OUT/checkpoints (the last step is always saved)")
+    p.add_argument("--load", metavar="DIR",
+                   help="resume from a run folder (or its checkpoints/ folder)" + load_help +
+                        ". Without --load, a run resumes from OUT/checkpoints when that exists")
+    p.add_argument("--load-step", type=int, metavar="N", help="with --load: that step instead of the latest")
+    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override any config field, e.g. --set training.lr=3e-4 training.micro_batch_size=8")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         prog="launch/train.py",
@@ -383,26 +402,13 @@ def parse_args(argv=None):
                     "data parallelism is world_size / (tp x pp). With no arguments: the tiny GPT on the embedded "
                     "corpus (Python's own help texts), about 5 minutes on 2 CPU cores.")
     p.add_argument("--config", help=f"run config YAML (default: {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])})")
-    p.add_argument("--tp", type=int, help="tensor-parallel size")
-    p.add_argument("--pp", type=int, help="pipeline-parallel size")
-    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (pp > 1 allows 0 or 1)")
-    p.add_argument("--steps", type=int, help="number of optimizer steps (the run's total, also when resuming)")
-    p.add_argument("--eval-interval", type=int, metavar="N",
-                   help="validation loss every N steps (also before step 1 and at the end); 0: never")
-    p.add_argument("--save-interval", type=int, metavar="N",
-                   help="checkpoint every N steps into OUT/checkpoints (the last step is always saved)")
+    add_run_flags(p, load_help=": model, optimizer, LR schedule, step, RNG and data position; another tp/pp/dp "
+                               "goes through DeepSpeed's universal checkpoint")
     p.add_argument("--out", help="output folder: config.yaml, metrics.jsonl, tb/, loss.png, checkpoints/, model/")
     p.add_argument("--init", metavar="DIR",
                    help="start from these weights: a zoo model folder (launch/convert.py hf-to-zoo, or a run's model/) "
                         "or a HuggingFace folder / Hub id (converted on the fly); the model config comes from it")
-    p.add_argument("--load", metavar="DIR",
-                   help="resume from a run folder (or its checkpoints/ folder): model, optimizer, LR schedule, step, "
-                        "RNG and data position; another tp/pp/dp goes through DeepSpeed's universal checkpoint. "
-                        "Without --load, a run resumes from OUT/checkpoints when that exists")
-    p.add_argument("--load-step", type=int, metavar="N", help="with --load: that step instead of the latest")
     p.add_argument("--no-sample", action="store_true", help="skip the sample printed at the end")
-    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override any config field, e.g. --set training.lr=3e-4 model.num_hidden_layers=8")
     args, _unknown = p.parse_known_args(argv)  # the deepspeed launcher adds --local_rank=N
     return args
 
