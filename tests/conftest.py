@@ -4,6 +4,11 @@ Starting processes and a gloo world costs seconds (PLATFORM.md), so each world s
 session. A test hands the pool a module-level function; every rank runs it and the results come back as a list
 indexed by rank. A failure on any rank fails the test with that rank's traceback and retires the pool (its
 collectives may be out of step); the next test gets a fresh one.
+
+After every task each worker destroys the process groups the task made (``release_groups``: each gloo group holds
+threads until destroyed, and a worker that kept them reached ~680 threads and slowed the whole machine), then
+reports its thread count. A worker holding more than ``THREAD_BOUND`` threads above its count when it started
+fails the test that left them, so a leak cannot come back unseen.
 """
 
 from __future__ import annotations
@@ -15,6 +20,14 @@ import socket
 import traceback
 
 import pytest
+
+THREAD_BOUND = 24  # threads a worker may hold beyond its start-up count between tasks
+
+
+def _threads() -> int:
+    """Threads of this process as the kernel counts them (gloo's are native threads, invisible to ``threading``)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
 
 
 def _free_port() -> int:
@@ -30,12 +43,12 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
         import torch
 
         torch.set_num_threads(1)
-        from zoo.parallel.topology import destroy_model_parallel, init_distributed
+        from zoo.parallel.topology import destroy_model_parallel, init_distributed, release_groups
 
         init_distributed()
-        results.put((rank, True, "ready"))
+        results.put((rank, True, "ready", _threads()))
     except BaseException:
-        results.put((rank, False, traceback.format_exc()))
+        results.put((rank, False, traceback.format_exc(), 0))
         return
     while True:
         item = tasks.get()
@@ -43,9 +56,14 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
             break
         fn, args, kwargs = item
         try:
-            results.put((rank, True, fn(*args, **kwargs)))
+            value, ok = fn(*args, **kwargs), True
         except BaseException:
-            results.put((rank, False, traceback.format_exc()))
+            value, ok = traceback.format_exc(), False
+        try:
+            release_groups()
+        except BaseException:
+            value, ok = traceback.format_exc(), False
+        results.put((rank, ok, value, _threads()))
     destroy_model_parallel()
 
 
@@ -60,13 +78,15 @@ class DistPool:
                       for r in range(world_size)]
         for p in self.procs:
             p.start()
+        self.threads = [0] * world_size
         self._collect(start_timeout, "start")
+        self.start_threads = list(self.threads)
 
-    def _collect(self, timeout: float, what: str) -> list:
+    def _collect(self, timeout: float, what: str, guard: bool = True) -> list:
         out, errors = [None] * self.world_size, []
         for _ in range(self.world_size):
             try:
-                rank, ok, value = self.results.get(timeout=timeout)
+                rank, ok, value, self.threads[rank] = self.results.get(timeout=timeout)
             except queue.Empty:
                 self.close()
                 raise TimeoutError(f"{self.world_size}-rank pool: no result from every rank within {timeout}s ({what}); "
@@ -79,17 +99,25 @@ class DistPool:
         if errors:
             self.close()
             raise AssertionError("\n".join(errors))
+        if guard and what != "start":
+            leaks = [f"rank {r}: {n} threads (started with {s})" for r, (n, s) in
+                     enumerate(zip(self.threads, self.start_threads)) if n > s + THREAD_BOUND]
+            if leaks:
+                self.close()
+                raise AssertionError(f"{self.world_size}-rank pool: {what} left threads behind after its process groups "
+                                     f"were destroyed: {'; '.join(leaks)}; bound +{THREAD_BOUND}. Stop what starts "
+                                     f"them (or destroy the groups it makes) at the end of the task.")
         return out
 
     @property
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
-    def run(self, fn, *args, timeout: float = 300.0, **kwargs) -> list:
+    def run(self, fn, *args, timeout: float = 300.0, _guard: bool = True, **kwargs) -> list:
         """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results."""
         for q in self.tasks:
             q.put((fn, args, kwargs))
-        return self._collect(timeout, getattr(fn, "__name__", str(fn)))
+        return self._collect(timeout, getattr(fn, "__name__", str(fn)), guard=_guard)
 
     def close(self) -> None:
         for q in self.tasks:
@@ -104,22 +132,47 @@ class DistPool:
                 p.join(timeout=5)
 
 
-@pytest.fixture(scope="session")
-def dist_run():
-    """``dist_run(world_size, fn, *args, **kwargs)`` -> list of per-rank return values."""
-    pools: dict[int, DistPool] = {}
+class _Pools:
+    """``dist_run(world_size, fn, *args, **kwargs)`` -> list of per-rank return values, on the shared pools."""
 
-    def run(world_size: int, fn, *args, **kwargs):
-        pool = pools.get(world_size)
+    def __init__(self):
+        self.pools: dict[int, DistPool] = {}
+
+    def __call__(self, world_size: int, fn, *args, **kwargs):
+        pool = self.pools.get(world_size)
         if pool is None or not pool.alive:
-            pool = pools[world_size] = DistPool(world_size)
+            pool = self.pools[world_size] = DistPool(world_size)
         try:
             return pool.run(fn, *args, **kwargs)
         except BaseException:
-            pools.pop(world_size, None)
+            self.pools.pop(world_size, None)
             pool.close()
             raise
 
-    yield run
-    for pool in pools.values():
-        pool.close()
+    def retire(self, world_size: int, fn, *args, **kwargs):
+        """Like the call, then close that pool (the next test starts a fresh one).
+
+        For DeepSpeed ZeRO-3 engines: after ``destroy`` they stay reachable from autograd state that Python's
+        garbage collector cannot see, and keep their process groups (4 per engine, 2 threads each) until the
+        process ends. The thread guard is not checked; the pool's end frees what the task held.
+        """
+        pool = self.pools.pop(world_size, None)
+        if pool is None or not pool.alive:
+            pool = DistPool(world_size)
+        try:
+            return pool.run(fn, *args, _guard=False, **kwargs)
+        finally:
+            pool.close()
+
+    def close(self):
+        for pool in self.pools.values():
+            pool.close()
+
+
+@pytest.fixture(scope="session")
+def dist_run():
+    """``dist_run(world_size, fn, *args, **kwargs)`` -> list of per-rank return values; ``dist_run.retire(...)``
+    runs the same way and closes the pool after."""
+    pools = _Pools()
+    yield pools
+    pools.close()

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from zoo.convert.hf_bert import IGNORED, hf_rows
 from zoo.data.masking import SpecialTokens, mask_tokens
+from zoo.training.train import destroy_engine
 from zoo.models.bert import (
     BertClassificationLoss,
     BertConfig,
@@ -379,6 +380,7 @@ def pp2_case(ref):
     batch = [(inputs, (mlm_labels, nsp_labels))]
     eval_loss, outputs = engine.eval_batch(iter(batch), return_logits=True)
     train_losses = [engine.train_batch(iter(batch)).item() for _ in range(2)]
+    destroy_engine(engine)
     diffs = {"eval_loss": abs(eval_loss.item() - ref["loss"]), "train_loss": abs(train_losses[0] - ref["loss"])}
     if grid.is_last_stage:
         mlm_logits, nsp_logits = outputs

@@ -14,6 +14,7 @@ from tests.parallel.helpers import grid_for
 from zoo.data.shapes import ShapesImages, ShapesSegmentation, stack
 from zoo.models.gpt import ParallelOptions
 from zoo.models.specs import SpecSequential
+from zoo.training.train import destroy_engine
 from zoo.models.unet import (
     DDPMSchedule,
     DiffusionLoss,
@@ -321,6 +322,7 @@ def train_case(variant, tp, pp, recompute=False, pipe_partitioned=False, partiti
                 engine.step()
                 total += loss.item() / ACC
             losses.append(total)
+    destroy_engine(engine)
     keys = sorted(module.state_dict())
     return losses, keys, getattr(module, "parts", None)
 

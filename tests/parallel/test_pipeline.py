@@ -8,6 +8,7 @@ from deepspeed.runtime.utils import set_random_seed
 from torch import nn
 
 from tests.parallel.helpers import gen, grid_for
+from zoo.training.train import destroy_engine
 from zoo.parallel.layers import ColumnParallelLinear, RowParallelLinear, init_method_normal
 
 HIDDEN, FFN, OUT, BLOCKS = 8, 16, 4, 4
@@ -75,7 +76,9 @@ def pipeline_case(tp, pp):
     }
     engine, *_ = deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters()], config=config)
     data = iter(batches())
-    return [engine.train_batch(data_iter=data).item() for _ in range(STEPS)]
+    losses = [engine.train_batch(data_iter=data).item() for _ in range(STEPS)]
+    destroy_engine(engine)
+    return losses
 
 
 def test_tp2_pp2_pipeline_trains_like_one_process(dist_run):

@@ -84,14 +84,14 @@ def grid_and_export_case(out):
     from zoo.convert.io import save_model
     from zoo.training.families import get_family
     from zoo.training.finetune_unet import consolidate
-    from zoo.training.train import build_data, train
+    from zoo.training.train import build_data, destroy_engine, train
 
     cfg, model_cfg, grid = setup_run("seg", ["parallel.pp=2", "training.steps=1"], out)
     data = build_data(cfg, model_cfg, grid)
     engine = train(cfg, model_cfg, grid, log=lambda s: None, data=data, keep_engine=True).engine
     path = get_family("unet-segmentation").after_evaluation(engine, cfg, grid, data, 1)
     save_model(Path(out) / "model", engine.module, grid, "unet-segmentation", model_cfg.to_dict())
-    engine.destroy()
+    destroy_engine(engine)
     if grid.rank != 0:
         return None
     files = sorted(p.name for p in (Path(out) / "model").iterdir())

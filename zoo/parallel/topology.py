@@ -19,7 +19,9 @@ Layers never read the grid while running: they take ``tp_group=None`` and resolv
 
 from __future__ import annotations
 
+import gc
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -219,6 +221,44 @@ def destroy_model_parallel() -> None:
     _CURRENT = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def release_groups() -> int:
+    """Destroy every process group but the world's and forget what was built on them; return how many went.
+
+    Each gloo group holds threads (and a store connection) until it is destroyed, and every ``deepspeed.initialize``
+    of a pipeline adds a grid of its own. A process that builds many engines (a test worker, a notebook, a sweep)
+    calls this between them; the world group and torch.distributed itself stay up. zoo's cached grids and
+    DeepSpeed's group caches (``deepspeed.utils.groups``, the activation checkpointing ``mpu``) are cleared with
+    them, so the next layout rebuilds its groups instead of using destroyed ones, and nothing keeps the destroyed
+    groups (and their threads) alive.
+    """
+    global _CURRENT
+    _GRIDS.clear()
+    _CURRENT = None
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    from deepspeed.utils import groups as ds_groups
+    from torch.distributed import distributed_c10d as c10d
+
+    for name, value in list(vars(ds_groups).items()):  # DeepSpeed's caches (_EXPERT_PARALLEL_GROUP, ...)
+        if re.fullmatch(r"_[A-Z_]+", name) and not isinstance(value, str):
+            value.clear() if isinstance(value, dict) else setattr(ds_groups, name, None)
+    ds_groups.mpu, ds_groups.mesh_device = None, None
+    from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
+
+    from deepspeed.runtime.pipe import p2p as ds_p2p
+
+    ds_checkpointing.mpu, ds_checkpointing.mp_group = None, None  # configure() points these at a grid
+    ds_p2p._groups, ds_p2p._grid = None, None  # a pipeline engine's send/recv groups
+    ds_p2p._async.clear()
+    world = c10d.GroupMember.WORLD
+    extra = [pg for pg in list(c10d._world.pg_map) if pg is not world]
+    for pg in extra:
+        dist.destroy_process_group(pg)
+    # A group's threads end when its last reference goes, and engines that used it often sit in reference cycles.
+    gc.collect()
+    return len(extra)
 
 
 def get_tensor_model_parallel_group():

@@ -109,6 +109,38 @@ def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False, init_
     return engine, loss_fn
 
 
+def destroy_engine(engine) -> None:
+    """``engine.destroy()``, and drop what keeps a pipeline engine alive after it.
+
+    DeepSpeed's output backward hooks hold the engine, and the last stage's ``engine.loss`` holds those hooks
+    through its autograd graph, which Python's garbage collector cannot see into; ZeRO-3 keeps the module it ran
+    last in a global stack. Either way the engine, its process groups and their threads would live as long as the
+    process, and tests (and sweeps) build many engines in one process.
+    """
+    engine.destroy()
+    for name in ("loss", "total_loss", "outputs"):
+        if hasattr(engine, name):
+            setattr(engine, name, None)
+    if isinstance(getattr(engine, "pipe_buffers", None), dict):
+        engine.pipe_buffers = {key: [] for key in engine.pipe_buffers}
+    if hasattr(engine, "fwd_outputs"):
+        engine.fwd_outputs = []
+    from deepspeed.runtime.zero import parameter_offload
+
+    parameter_offload.FWD_MODULE_STACK.clear()  # ZeRO-3 leaves the last module it ran (and so the engine) here
+    for module in engine.module.modules():  # the engine's hooks: the module is plain again, and holds no engine
+        for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_hooks,
+                      module._backward_pre_hooks):
+            hooks.clear()
+    # A ZeRO-3 engine stays reachable from autograd state after all; let go of its process groups at least.
+    holders = [engine, getattr(engine, "optimizer", None), *engine.module.parameters()]
+    holders += [getattr(holders[1], name, None) for name in ("parameter_offload", "optimizer")]
+    for obj in (h for h in holders if h is not None):
+        for name, value in list(vars(obj).items()):
+            if isinstance(value, dist.ProcessGroup):
+                setattr(obj, name, None)
+
+
 class MetricsWriter:
     """One JSON object per line in ``out/metrics.jsonl`` (and TensorBoard scalars in ``out/tb``), global rank 0 only.
 
@@ -372,7 +404,7 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
         plot_losses(metrics.records, out / "loss.png")
     if keep_engine:
         return RunResult(losses, val_losses, start, engine)
-    engine.destroy()  # frees DeepSpeed's hooks and buffers; tests train many engines in one process
+    destroy_engine(engine)  # frees DeepSpeed's hooks and buffers; tests train many engines in one process
     return losses
 
 
@@ -497,7 +529,7 @@ def main(argv=None) -> int:
         if cfg.training.save:
             save_model(out / "model", engine.module, grid, cfg.model.family, model_cfg.to_dict(),
                        tokenizer_dir=data.tokenizer_dir)
-        engine.destroy()
+        destroy_engine(engine)
         if grid.rank == 0:
             if result.val_losses:
                 (s0, v0), (s1, v1) = result.val_losses[0], result.val_losses[-1]
