@@ -59,6 +59,7 @@ from zoo.convert.hf_gpt import (
     export_rows,
     qkv_groups,
     qkv_ungroup,
+    read_hf_meta,
     resolve_hf_folder,
     same,
     zoo_weights,
@@ -291,16 +292,8 @@ def architecture_of(meta: dict, where: str, keys=()) -> str:
 
 def read_hf_config(folder: Path, keys=()):
     """``(architecture, transformers BertConfig)`` of a HF BERT folder (no remote code is ever run)."""
-    path = folder / "config.json"
-    if not path.is_file():
-        raise ConvertError(f"{folder} has no config.json; pass a HuggingFace model folder")
-    try:
-        meta = json.loads(path.read_text())
-    except ValueError as e:
-        raise ConvertError(f"{path} is not valid JSON ({e})") from None
-    if "zoo_format" in meta:
-        raise ConvertError(f"{folder} is a zoo model folder, not a HuggingFace one (use zoo-to-hf)")
-    arch = architecture_of(meta, str(path), keys)
+    meta = read_hf_meta(folder)
+    arch = architecture_of(meta, str(folder / "config.json"), keys)
     from transformers import BertConfig as HFBertConfig
 
     return arch, HFBertConfig.from_dict(meta)

@@ -230,8 +230,8 @@ def architecture_of(meta: dict, where: str) -> str:
     return arch
 
 
-def read_hf_config(folder: Path):
-    """``(architecture, transformers config object)`` of a HF model folder (no remote code is ever run)."""
+def read_hf_meta(folder: Path) -> dict:
+    """The parsed ``config.json`` of a HF model folder; a missing or broken file, or a zoo folder, refused."""
     path = folder / "config.json"
     if not path.is_file():
         raise ConvertError(f"{folder} has no config.json; pass a HuggingFace model folder")
@@ -241,7 +241,13 @@ def read_hf_config(folder: Path):
         raise ConvertError(f"{path} is not valid JSON ({e})") from None
     if "zoo_format" in meta:
         raise ConvertError(f"{folder} is a zoo model folder, not a HuggingFace one (use zoo-to-hf)")
-    arch = architecture_of(meta, str(path))
+    return meta
+
+
+def read_hf_config(folder: Path):
+    """``(architecture, transformers config object)`` of a HF model folder (no remote code is ever run)."""
+    meta = read_hf_meta(folder)
+    arch = architecture_of(meta, str(folder / "config.json"))
     from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
     cls = {"GPT2LMHeadModel": GPT2Config, "LlamaForCausalLM": LlamaConfig, "MistralForCausalLM": MistralConfig,
