@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from zoo.data.batches import micro_batch, to_device
 from zoo.training.config import ConfigError, RunConfig, deepspeed_config, load, validate
-from zoo.training.families import Data, collate, get_family, to_device
+from zoo.training.families import Data, get_family
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gpt" / "tiny.yaml"
 
@@ -213,8 +214,6 @@ def reduced_stats(loss_fn, family) -> dict:
 
 def evaluate(engine, loss_fn, cfg: RunConfig, grid, dataset, device) -> float:
     """Mean loss over ``eval_iters`` global batches of the validation set (the same samples every time)."""
-    from zoo.data.synthetic import micro_batch
-
     tr, gas = cfg.training, cfg.gradient_accumulation_steps
     total = 0.0
     for it in range(tr.eval_iters):
@@ -252,7 +251,6 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
     """
     from deepspeed.accelerator import get_accelerator
 
-    from zoo.data.synthetic import micro_batch
     from zoo.training import checkpoint as ckpt
     from zoo.training.metrics import device_name, peak_memory_gb, peak_tflops
 
