@@ -83,7 +83,7 @@ def grid_and_export_case(out):
     """pp=2: the evaluation grid through every stage, then the layout-free export joined into one file."""
     from zoo.convert.io import save_model
     from zoo.training.families import get_family
-    from zoo.training.finetune_unet import consolidate
+    from zoo.finetune.unet import consolidate
     from zoo.training.train import build_data, train
 
     cfg, model_cfg, grid = setup_run("seg", ["parallel.pp=2", "training.steps=1"], out)
@@ -180,7 +180,7 @@ def write_folders(root, n, size=32, seed=5):
 
 def test_finetune_from_exported_model_on_folders(seg_run, tmp_path, capsys):
     from zoo.models.sample_unet import PretrainedUNet
-    from zoo.training.finetune_unet import main
+    from zoo.finetune.unet import main
 
     images, masks = write_folders(tmp_path / "data", 12)
     out = tmp_path / "ft"
@@ -236,7 +236,7 @@ def test_sampling_cli_refuses_other_folders(seg_run, tmp_path, capsys):
 
 
 def test_benchmark_runs_both_models(capsys):
-    from zoo.training.benchmark_unet import main
+    from zoo.bench.unet import main
 
     assert main(["--steps", "1", "--warmup", "0", "--batch-size", "2"]) == 0
     out = capsys.readouterr().out

@@ -1,7 +1,7 @@
 """Fine-tune a segmentation U-Net on image/mask folders, in any layout; the result as a zoo folder.
 
-    python -m zoo.training.finetune_unet --init runs/unet-segmentation/model --images data/images --masks data/masks
-    torchrun --nproc_per_node 2 -m zoo.training.finetune_unet --init DIR --images I --masks M --tp 2 --out runs/ft
+    python -m zoo.finetune.unet --init runs/unet-segmentation/model --images data/images --masks data/masks
+    torchrun --nproc_per_node 2 -m zoo.finetune.unet --init DIR --images I --masks M --tp 2 --out runs/ft
 
 The run is launch/train.py's (``zoo.training.train.train``: tp/pp/dp/ZeRO, evaluation with Dice and IoU,
 checkpoints, exact resume) on the ``unet-segmentation`` family, with the weights and the model config from ``--init``
@@ -35,7 +35,7 @@ FAMILY = "unet-segmentation"
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
-        prog="finetune_unet",
+        prog="python -m zoo.finetune.unet",
         description="Fine-tune a segmentation U-Net on image/mask folders. Works in one process, under torchrun and "
                     "under the deepspeed launcher; data parallelism is world_size / (tp x pp). Writes OUT/model.")
     p.add_argument("--init", required=True, metavar="DIR",

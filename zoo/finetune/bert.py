@@ -1,7 +1,7 @@
 """Fine-tune a BERT for sequence classification, in any layout; the result as a zoo folder and a HF folder.
 
-    python -m zoo.training.finetune_bert --init runs/bert-tiny/model --data train.csv --valid-data valid.csv
-    torchrun --nproc_per_node 2 -m zoo.training.finetune_bert --init DIR --data train.jsonl --tp 2 --out runs/cls
+    python -m zoo.finetune.bert --init runs/bert-tiny/model --data train.csv --valid-data valid.csv
+    torchrun --nproc_per_node 2 -m zoo.finetune.bert --init DIR --data train.jsonl --tp 2 --out runs/cls
 
 The run is launch/train.py's (``zoo.training.train.train``: tp/pp/dp/ZeRO, evaluation, checkpoints, exact resume)
 with the ``bert-classifier`` family (zoo/training/families/bert.py). What this entry point adds:
@@ -50,7 +50,7 @@ INIT_OVERRIDABLE = ("hidden_dropout_prob", "attention_probs_dropout_prob", "clas
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
-        prog="python -m zoo.training.finetune_bert",
+        prog="python -m zoo.finetune.bert",
         description="Fine-tune a BERT for sequence classification. Works in one process, under torchrun and under "
                     "the deepspeed launcher; data parallelism is world_size / (tp x pp). Writes OUT/model (zoo) and "
                     "OUT/hf (transformers' BertForSequenceClassification).")
