@@ -1,13 +1,23 @@
-"""What the Transformer configs (``GPTConfig``, ``BertConfig``) share: Megatron's vocabulary padding, the check that
-a (tp, pp) layout can hold the model, and reading a config from a dict of its fields.
+"""What the model configs share: reading a config dataclass from a dict of its fields (:func:`from_fields`, every
+config), and for the Transformers (``GPTConfig``, ``BertConfig``, :class:`TransformerConfig`) Megatron's vocabulary
+padding and the check that a (tp, pp) layout can hold the model.
 
-A config dataclass inherits :class:`TransformerConfig` and names in ``tp_split_heads`` the head counts tensor
+A Transformer config inherits :class:`TransformerConfig` and names in ``tp_split_heads`` the head counts tensor
 parallelism splits (GPT: query and key-value heads; BERT: the attention heads).
 """
 
 from __future__ import annotations
 
 from dataclasses import fields
+
+
+def from_fields(cls, d: dict):
+    """``cls(**d)`` for a config dataclass; unknown keys are refused in one line that lists the known fields."""
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}; known fields: {sorted(names)}")
+    return cls(**d)
 
 
 class TransformerConfig:
@@ -31,8 +41,4 @@ class TransformerConfig:
 
     @classmethod
     def from_dict(cls, d: dict):
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}; known fields: {sorted(names)}")
-        return cls(**d)
+        return from_fields(cls, d)
