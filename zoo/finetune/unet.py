@@ -16,16 +16,12 @@ loads back in one process; at the end the grid of the first validation images is
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from pathlib import Path
 
-import yaml
-
+from zoo.finetune.common import add_finetune_flags, run_config
 from zoo.training.config import ConfigError, RunConfig, validate
-from zoo.training.train import add_run_flags
-from zoo.training.train import config_from_args as train_config_from_args
+from zoo.training.run import RunParser, command, loss_change, process_group, say, start_run, train_and_save
 from zoo.training.train import resume_plan
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "unet" / "segmentation.yaml"
@@ -34,10 +30,8 @@ FAMILY = "unet-segmentation"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        prog="python -m zoo.finetune.unet",
-        description="Fine-tune a segmentation U-Net on image/mask folders. Works in one process, under torchrun and "
-                    "under the deepspeed launcher; data parallelism is world_size / (tp x pp). Writes OUT/model.")
+    p = RunParser("python -m zoo.finetune.unet", "Fine-tune a segmentation U-Net on image/mask folders.",
+                  "Writes OUT/model.")
     p.add_argument("--init", required=True, metavar="DIR",
                    help="the U-Net to start from: a zoo unet-segmentation model folder, or a run folder with model/")
     p.add_argument("--images", required=True, metavar="DIR", help="training images (PNG, JPEG, ...)")
@@ -47,34 +41,25 @@ def parse_args(argv=None):
     p.add_argument("--valid-masks", metavar="DIR", help="validation masks (with --valid-images)")
     p.add_argument("--valid-fraction", type=float, metavar="F",
                    help="without --valid-images: hold out this fraction of the pairs for validation (0: none)")
-    p.add_argument("--config", default=str(DEFAULT_CONFIG),
-                   help=f"run config YAML (default: {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])})")
-    add_run_flags(p, eval_help="validation loss, Dice and IoU")
-    p.add_argument("--out", help=f"output folder (default {DEFAULT_OUT}): config.yaml, metrics.jsonl, loss.png, "
-                                 f"checkpoints/, model/, samples/")
-    p.add_argument("--no-sample", action="store_true", help="skip the grid drawn from the exported model")
-    args, _unknown = p.parse_known_args(argv)  # the deepspeed launcher adds --local_rank=N
-    return args
+    add_finetune_flags(p, DEFAULT_CONFIG, evaluation="validation loss, Dice and IoU",
+                       sample="skip the grid drawn from the exported model",
+                       outputs=f"output folder (default {DEFAULT_OUT}): config.yaml, metrics.jsonl, loss.png, "
+                               f"checkpoints/, model/, samples/")
+    return p.parse_args(argv)
 
 
 def config_from_args(args) -> RunConfig:
-    # Paths are set as given, not through --set's YAML parsing (a path may hold ':' or look like a number).
-    cfg = train_config_from_args(argparse.Namespace(**{**vars(args), "init": None, "out": None}))
-    cfg.training.init_from = args.init
+    cfg = run_config(args, "folders", [args.images, args.masks], valid_fraction=args.valid_fraction)
     cfg.out = args.out or DEFAULT_OUT
     cfg.model.family = FAMILY
     # The model comes from --init: drop the config file's model fields, keep what --set names (refused if it
     # changes the weights, by config.init_model_config).
     named = {item.split("=", 1)[0][len("model."):] for item in args.set if item.startswith("model.")}
     cfg.model.overrides = {k: v for k, v in cfg.model.overrides.items() if k in named}
-    cfg.data.source = "folders"
-    cfg.data.paths = [args.images, args.masks]
     if (args.valid_images is None) != (args.valid_masks is None):
         raise ConfigError("--valid-images and --valid-masks go together; give both or neither")
     if args.valid_images is not None:
         cfg.data.valid_paths = [args.valid_images, args.valid_masks]
-    if args.valid_fraction is not None:
-        cfg.data.valid_fraction = args.valid_fraction
     return cfg
 
 
@@ -95,53 +80,34 @@ def consolidate(model_dir: Path) -> None:
         PretrainedUNet.from_pretrained(model_dir).save_pretrained(model_dir)
 
 
-def main(argv=None) -> int:
-    from zoo.convert.io import save_model
-    from zoo.parallel.topology import destroy_model_parallel, initialize_model_parallel
-    from zoo.training.checkpoint import ResumeError
-    from zoo.training.families import get_family
-    from zoo.training.train import build_data, train
-
-    args = parse_args(argv)
+def plan(args, world_size: int) -> tuple:
+    """``(run config, model config, resume, universal)``: the layout, the batch, every image and mask file, all
+    checked before any process group exists."""
     args.init = resolve_init(args.init)
-    rank0 = os.environ.get("RANK", "0") == "0"
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        cfg = config_from_args(args)
-        model_cfg = validate(cfg, world)  # layout, batch, and every image and mask file (before any process group)
-        resume, universal = resume_plan(cfg, model_cfg, args)
-    except (ConfigError, ResumeError) as e:
-        if rank0:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
-    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp)
-    out, tr = Path(cfg.out), cfg.training
-    say = lambda s: print(s, flush=True)  # noqa: E731
-    try:
-        data = build_data(cfg, model_cfg, grid)
-        if grid.rank == 0:
-            from zoo.models.unet import num_parameters
+    cfg = config_from_args(args)
+    model_cfg = validate(cfg, world_size)
+    return (cfg, model_cfg, *resume_plan(cfg, model_cfg, args))
 
-            n_valid = 0 if data.valid is None else len(data.valid)
-            say(f"zoo fine-tune of {tr.init_from}: unet-segmentation {num_parameters(model_cfg) / 1e6:.2f}M "
-                f"parameters, {model_cfg.classes} classes | tp={grid.tp} pp={grid.pp} dp={grid.dp} "
-                f"zero={cfg.parallel.zero_stage} | global batch {cfg.global_batch_size} | {tr.precision} | "
-                f"{len(data.train)} training pairs, {n_valid} validation pairs")
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        result = train(cfg, model_cfg, grid, log=say, resume=resume, universal=universal, data=data,
-                       keep_engine=True, progress=True)
-        engine = result.engine
-        if tr.save:
-            save_model(out / "model", engine.module, grid, cfg.model.family, model_cfg.to_dict())
-        engine.destroy()
-        if grid.rank == 0 and result.val_losses:
-            (s0, v0), (s1, v1) = result.val_losses[0], result.val_losses[-1]
-            say(f"validation loss {v0:.3f} (step {s0}) -> {v1:.3f} (step {s1})")
-    finally:
-        is_rank0 = grid.rank == 0
-        destroy_model_parallel()
-    if not (is_rank0 and tr.save):
+
+def run(args, cfg: RunConfig, model_cfg, resume, universal: bool) -> int:
+    from zoo.models.unet import num_parameters
+    from zoo.training.families import get_family
+    from zoo.training.train import build_data
+
+    out, tr = Path(cfg.out), cfg.training
+    with process_group(cfg) as grid:
+        rank0 = grid.rank == 0
+        data = build_data(cfg, model_cfg, grid)
+        n_valid = 0 if data.valid is None else len(data.valid)
+        start_run(cfg, grid, f"zoo fine-tune of {tr.init_from}: unet-segmentation "
+                             f"{num_parameters(model_cfg) / 1e6:.2f}M parameters, {model_cfg.classes} classes | "
+                             f"tp={grid.tp} pp={grid.pp} dp={grid.dp} zero={cfg.parallel.zero_stage} | global batch "
+                             f"{cfg.global_batch_size} | {tr.precision} | {len(data.train)} training pairs, "
+                             f"{n_valid} validation pairs")
+        result = train_and_save(cfg, model_cfg, grid, data, resume=resume, universal=universal)
+        if rank0 and result.val_losses:
+            say(loss_change(result.val_losses))
+    if not (rank0 and tr.save):
         return 0
     consolidate(out / "model")
     say(f"done: model {out / 'model'} (config.json + model.safetensors; PretrainedUNet.from_pretrained loads it) | "
@@ -149,6 +115,10 @@ def main(argv=None) -> int:
     if not args.no_sample:
         get_family(cfg.model.family).after_training(out / "model", say)
     return 0
+
+
+def main(argv=None) -> int:
+    return command(parse_args(argv), plan, run)
 
 
 if __name__ == "__main__":
