@@ -100,7 +100,7 @@ def grid_and_export_case(out):
 
 
 def test_pipeline_evaluation_grid_and_consolidated_export(dist_run, tmp_path):
-    from zoo.models.sample_unet import PretrainedUNet
+    from zoo.generate.unet import PretrainedUNet
 
     path, before, after = dist_run(2, grid_and_export_case, str(tmp_path))[0]
     assert Path(path) == tmp_path / "samples" / "step_00000001.png"
@@ -179,7 +179,7 @@ def write_folders(root, n, size=32, seed=5):
 
 
 def test_finetune_from_exported_model_on_folders(seg_run, tmp_path, capsys):
-    from zoo.models.sample_unet import PretrainedUNet
+    from zoo.generate.unet import PretrainedUNet
     from zoo.finetune.unet import main
 
     images, masks = write_folders(tmp_path / "data", 12)
@@ -212,7 +212,7 @@ def diffusion_run(tmp_path_factory):
 def test_diffusion_run_learns_and_writes_its_sample_grid(diffusion_run, tmp_path):
     from PIL import Image
 
-    from zoo.models.sample_unet import main
+    from zoo.generate.unet import main
 
     valid = [r for r in records(diffusion_run) if "val_loss" in r]
     assert valid[-1]["val_loss"] < valid[0]["val_loss"]
@@ -226,7 +226,7 @@ def test_diffusion_run_learns_and_writes_its_sample_grid(diffusion_run, tmp_path
 
 
 def test_sampling_cli_refuses_other_folders(seg_run, tmp_path, capsys):
-    from zoo.models.sample_unet import main
+    from zoo.generate.unet import main
 
     assert main(["--ckpt", str(seg_run), "--out", str(tmp_path / "x.png")]) == 2
     assert "needs a unet-diffusion folder" in capsys.readouterr().err

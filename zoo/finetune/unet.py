@@ -8,7 +8,7 @@ checkpoints, exact resume) on the ``unet-segmentation`` family, with the weights
 (a zoo model folder or a run folder holding ``model/``) and the samples from ``--images``/``--masks`` (pairs matched
 by file name, ``zoo.data.image_folders``); validation from ``--valid-images``/``--valid-masks`` or a held-out
 ``--valid-fraction``. The result, ``<out>/model``, is ``config.json`` + ``model.safetensors`` in every layout
-(pipeline stages' files are joined into one), which ``PretrainedUNet.from_pretrained`` (zoo.models.sample_unet)
+(pipeline stages' files are joined into one), which ``PretrainedUNet.from_pretrained`` (zoo.generate.unet)
 loads back in one process; at the end the grid of the first validation images is drawn from it into
 ``<out>/samples/``. Everything about the input is checked before any process group exists: each problem is one
 ``error: ...`` line and exit status 2, and nothing is written.
@@ -67,14 +67,16 @@ def resolve_init(path: str) -> str:
     """A run folder stands for its ``model/``."""
     from zoo.convert import io
 
-    p = Path(path).expanduser()
-    return str(p / "model") if not io.is_model_folder(p) and io.is_model_folder(p / "model") else str(p)
+    try:
+        return str(io.resolve_model_folder(path))
+    except io.CheckpointError:  # validate() names the problem
+        return str(Path(path).expanduser())
 
 
 def consolidate(model_dir: Path) -> None:
     """One ``model.safetensors`` in place of the per-stage files a pipeline run writes (U-Nets are small)."""
     from zoo.convert import io
-    from zoo.models.sample_unet import PretrainedUNet
+    from zoo.generate.unet import PretrainedUNet
 
     if (model_dir / io.INDEX_FILE).is_file():
         PretrainedUNet.from_pretrained(model_dir).save_pretrained(model_dir)
