@@ -18,13 +18,14 @@ a ``_local`` suffix means "this TP rank's share".
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
+from zoo.models.config import TransformerConfig
 from zoo.parallel.cross_entropy import vocab_parallel_cross_entropy
 from zoo.parallel.layers import (
     ColumnParallelLinear,
@@ -44,7 +45,9 @@ from zoo.parallel.topology import get_tensor_model_parallel_group, group_rank_an
 
 
 @dataclass
-class GPTConfig:
+class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dict
+    tp_split_heads = ("num_attention_heads", "num_key_value_heads")  # what tensor parallelism splits
+
     vocab_size: int = 50257
     hidden_size: int = 768
     num_hidden_layers: int = 12
@@ -105,24 +108,6 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
-    def padded_vocab_size(self, tp: int = 1) -> int:
-        multiple = self.make_vocab_size_divisible_by * tp
-        return -(-self.vocab_size // multiple) * multiple
-
-    def check_layout(self, tp: int, pp: int = 1) -> None:
-        """One line per problem, before anything is built: which number does not divide which."""
-        if self.num_attention_heads % tp:
-            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by tp {tp}; "
-                             f"use a tp that divides it")
-        if self.num_key_value_heads % tp:
-            raise ValueError(f"num_key_value_heads {self.num_key_value_heads} is not divisible by tp {tp}; "
-                             f"use a tp that divides it")
-        if self.intermediate_size % tp:
-            raise ValueError(f"intermediate_size {self.intermediate_size} is not divisible by tp {tp}")
-        if self.num_hidden_layers < pp:
-            raise ValueError(f"num_hidden_layers {self.num_hidden_layers} is smaller than pp {pp}; "
-                             f"every pipeline stage needs at least one layer")
-
     def num_parameters(self, include_embeddings: bool = True) -> int:
         """Parameters of the unpadded model (as a HF checkpoint counts them)."""
         h, f, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
@@ -143,14 +128,6 @@ class GPTConfig:
         if d["qkv_bias"] is None:  # the default: configs (and zoo folders) of models without it stay as they were
             del d["qkv_bias"]
         return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "GPTConfig":
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"GPTConfig: unknown field(s) {unknown}; known fields: {sorted(names)}")
-        return cls(**d)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "GPTConfig":
