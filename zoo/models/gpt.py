@@ -3,6 +3,8 @@
 GPT-2 (Radford et al. 2019): learned positions, LayerNorm, GELU (tanh), biases, tied embeddings.
 Llama (Touvron et al. 2023): rotary positions (RoPE, Su et al. 2021, with linear or Llama-3 frequency scaling),
 RMSNorm, SwiGLU (Shazeer 2020), no biases, grouped-query attention (Ainslie et al. 2023), tied or untied head.
+Options on top: q/k biases (Qwen2), q/k RMSNorm per head (Qwen3) or over the projection (OLMoE), a head dim other
+than h / heads.
 
 Parallel plan (Megatron-LM, arXiv 1909.08053): fused QKV and MLP fc1 (or gate/up) are column-parallel, the
 attention output and MLP fc2 row-parallel, so a block costs two all-reduces forward; the embedding is
@@ -18,7 +20,7 @@ a ``_local`` suffix means "this TP rank's share".
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +35,10 @@ from zoo.parallel.layers import (
     divide,
     init_method_normal,
     scaled_init_method_normal,
+    set_tensor_model_parallel_attributes,
 )
 from zoo.parallel.mappings import (
+    all_reduce_tensor_model_parallel_region,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
@@ -50,6 +54,7 @@ class GPTConfig:
     num_hidden_layers: int = 12
     num_attention_heads: int = 12
     num_key_value_heads: int | None = None  # None: = num_attention_heads (multi-head attention)
+    head_dim: int | None = None  # None: hidden_size / num_attention_heads (Qwen3 sets it apart)
     intermediate_size: int | None = None  # Megatron: ffn_hidden_size. None: 4h (GELU)
     max_position_embeddings: int = 1024
     position_embedding_type: str = "learned"  # "learned" (GPT-2) | "rope" (Llama)
@@ -65,12 +70,15 @@ class GPTConfig:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     make_vocab_size_divisible_by: int = 128  # Megatron: the padded vocabulary is a multiple of this x tp
+    qk_norm: str | None = None  # RMSNorm of q and k before RoPE: "head" (Qwen3, over each head) | "full" (OLMoE)
 
     def __post_init__(self):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.intermediate_size is None:
             self.intermediate_size = 4 * self.hidden_size
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads == 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
         self.validate()
 
     def validate(self) -> None:
@@ -83,8 +91,9 @@ class GPTConfig:
         need(self.normalization in ("layernorm", "rmsnorm"),
              f"normalization must be 'layernorm' or 'rmsnorm', got {self.normalization!r}")
         need(self.activation in ("gelu", "swiglu"), f"activation must be 'gelu' or 'swiglu', got {self.activation!r}")
-        need(self.hidden_size % self.num_attention_heads == 0,
-             f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}")
+        need(self.head_dim is not None,
+             f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads} "
+             f"(or set head_dim)")
         need(self.num_attention_heads % self.num_key_value_heads == 0,
              f"num_attention_heads {self.num_attention_heads} is not divisible by num_key_value_heads "
              f"{self.num_key_value_heads}")
@@ -95,15 +104,12 @@ class GPTConfig:
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             need(kind in ("linear", "llama3"), f"rope_scaling type must be 'linear' or 'llama3', got {kind!r}")
+        need(self.qk_norm in (None, "head", "full"), f"qk_norm must be null, 'head' or 'full', got {self.qk_norm!r}")
 
     @property
     def use_qkv_bias(self) -> bool:
         """Whether the fused QKV projection has a bias (``qkv_bias``, or ``add_bias`` when that is None)."""
         return self.add_bias if self.qkv_bias is None else self.qkv_bias
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
 
     def padded_vocab_size(self, tp: int = 1) -> int:
         multiple = self.make_vocab_size_divisible_by * tp
@@ -130,6 +136,7 @@ class GPTConfig:
         bias = self.add_bias
         norm = h * (2 if self.normalization == "layernorm" else 1)
         attn = h * (nq + 2 * nkv) * d + nq * d * h + self.use_qkv_bias * (nq + 2 * nkv) * d + bias * h
+        attn += {None: 0, "head": 2 * d, "full": (nq + nkv) * d}[self.qk_norm]
         mlp = (3 if self.activation == "swiglu" else 2) * h * f + bias * ((2 * f if self.activation == "swiglu" else f) + h)
         total = L * (attn + mlp + 2 * norm) + norm
         if include_embeddings:
@@ -139,9 +146,15 @@ class GPTConfig:
         return total
 
     def to_dict(self) -> dict:
+        """All fields, less the later additions at their defaults (qkv_bias, head_dim = h / heads, qk_norm), so the
+        configs (and zoo folders) of models without them stay as they were."""
         d = asdict(self)
-        if d["qkv_bias"] is None:  # the default: configs (and zoo folders) of models without it stay as they were
-            del d["qkv_bias"]
+        defaults = {f.name: f.default if f.default_factory is MISSING else f.default_factory() for f in fields(self)}
+        for name in _ADDED_FIELDS:
+            if d[name] == defaults[name]:
+                del d[name]
+        if d["head_dim"] == self.hidden_size // self.num_attention_heads:
+            del d["head_dim"]
         return d
 
     @classmethod
@@ -158,6 +171,8 @@ class GPTConfig:
             raise ValueError(f"unknown GPT preset {name!r}; presets: {sorted(PRESETS)}")
         return cls.from_dict({**PRESETS[name], **overrides})
 
+
+_ADDED_FIELDS = ("qkv_bias", "qk_norm")
 
 _LLAMA = dict(position_embedding_type="rope", normalization="rmsnorm", activation="swiglu", add_bias=False)
 PRESETS: dict[str, dict] = {
@@ -218,6 +233,37 @@ class Norm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return w * x32.to(x.dtype)
+
+
+class QKNorm(nn.Module):
+    """RMSNorm of queries or keys ``[b, n_local, s, d]`` before RoPE, statistics in fp32.
+
+    ``qk_norm="head"`` (Qwen3): over each head's d features, one ``weight`` [d] shared by all heads, replicated
+    (each TP rank holds other heads, so its gradient is summed over TP). ``"full"`` (OLMoE): over all n*d features
+    of the projection, ``weight`` [n*d] sharded over TP like the heads; the sum of squares is all-reduced.
+    """
+
+    def __init__(self, config: GPTConfig, num_heads: int, tp_group):
+        super().__init__()
+        self.kind, self.eps, self.num_heads = config.qk_norm, config.norm_eps, num_heads
+        self.tp_group, self.tp = tp_group, group_rank_and_size(tp_group)[1]
+        d = config.head_dim
+        self.weight = nn.Parameter(torch.ones(d if self.kind == "head" else num_heads // self.tp * d))
+        if self.kind == "full":
+            set_tensor_model_parallel_attributes(self.weight, 0)
+
+    def forward(self, x):
+        x32 = x.float()
+        if self.kind == "head":
+            mean_square = x32.pow(2).mean(-1, keepdim=True)  # [b, n_local, s, 1]
+            w = self.weight if self.tp == 1 else copy_to_tensor_model_parallel_region(self.weight, self.tp_group)
+        else:
+            square_sum = x32.pow(2).sum((1, 3), keepdim=True)  # [b, 1, s, 1], this rank's heads
+            if self.tp > 1:  # every rank's partial sum feeds every rank's heads: all-reduce both ways
+                square_sum = all_reduce_tensor_model_parallel_region(square_sum, self.tp_group)
+            mean_square = square_sum / (self.num_heads * x.shape[-1])
+            w = self.weight.view(x.shape[1], 1, x.shape[-1])  # [n_local, 1, d]
+        return w * (x32 * torch.rsqrt(mean_square + self.eps)).to(x.dtype)
 
 
 def rope_inv_freq(config: GPTConfig) -> torch.Tensor:
@@ -352,6 +398,10 @@ class GPTAttention(nn.Module):
         self.q_per_group = nq // nkv
         self.head_dim = d
         self.sequence_parallel = par.sequence_parallel
+        self.q_norm = self.k_norm = None
+        if config.qk_norm is not None:
+            self.q_norm = QKNorm(config, nq, self.qkv.tp_group)
+            self.k_norm = QKNorm(config, nkv, self.qkv.tp_group)
         self.kv_cache: KVCache | None = None  # set by the generator for the duration of a generation
 
     def forward(self, x, kv_cache: KVCache | None = None):
@@ -365,6 +415,8 @@ class GPTAttention(nn.Module):
         q = qkv[:, :, :, : self.q_per_group].reshape(b, s, -1, self.head_dim).transpose(1, 2)  # [b, nq_local, s, d]
         k = qkv[:, :, :, self.q_per_group].transpose(1, 2)  # [b, nkv_local, s, d]
         v = qkv[:, :, :, self.q_per_group + 1].transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if kv_cache is not None:
             return self._forward_cached(q, k, v, kv_cache)
         if self.config.position_embedding_type == "rope":
