@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from zoo.training.benchmark import main  # noqa: E402
+from zoo.bench.gpt import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from zoo.training.benchmark_unet import main  # noqa: E402
+from zoo.bench.unet import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

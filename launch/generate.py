@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from zoo.training.dispatch import generate_main as main  # noqa: E402
+from zoo.dispatch import generate_main as main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -19,7 +19,7 @@ from zoo.data.corpus import embedded_documents, split_documents
 from zoo.data.gpt_dataset import (BlendedDataset, PackedDataset, _sequences_of, build_gpt_datasets, parse_blend,
                                   prepare_embedded_corpus, split_document_ids)
 from zoo.data.indexed import IndexedDataset, IndexedDatasetBuilder
-from zoo.data.synthetic import micro_batch
+from zoo.data.batches import micro_batch
 
 
 def _write(prefix, docs):

@@ -15,7 +15,8 @@ import torch
 
 from tests.models.test_gpt_vs_transformers import ROPE_SCALINGS, VOCAB, gpt2_pair, llama_pair, load_from_hf
 from zoo.models import gpt as gpt_module
-from zoo.models.generate import Generator, SamplingOptions, main, sample_next
+from zoo.generate.gpt import main
+from zoo.models.generate import Generator, SamplingOptions, sample_next
 from zoo.models.gpt import GPTConfig, ParallelOptions, layer_specs, rope_inv_freq, rope_table
 from zoo.models.specs import SpecSequential
 

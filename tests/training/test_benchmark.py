@@ -6,7 +6,7 @@ No timing assertions: the numbers depend on the machine and its load.
 import json
 import re
 
-from zoo.training.benchmark import main
+from zoo.bench.gpt import main
 
 SUMMARY = re.compile(r"^(gpt2|llama): zoo (\d+(?:\.\d+)?) tok/s, transformers (\d+(?:\.\d+)?) tok/s, "
                      r"ratio (\d+(?:\.\d+)?)$", re.MULTILINE)

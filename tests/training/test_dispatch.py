@@ -2,7 +2,7 @@
 
 import json
 
-from zoo.training.dispatch import _flag, family_of
+from zoo.dispatch import _flag, family_of
 
 
 def write(folder, meta):

@@ -114,7 +114,7 @@ def _copy_without_tokenizer(hf: Path, dst: Path) -> Path:
 
 
 def test_bad_inputs_one_line_and_nothing_written(task, tmp_path, capsys):
-    from zoo.training.finetune import main
+    from zoo.finetune.gpt import main
 
     hf, data, _ = task
     files = {"empty": "\n", "not-json": '{"prompt": "a", "response": "b"}\n\n{"prompt": oops}\n',

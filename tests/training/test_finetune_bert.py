@@ -111,7 +111,7 @@ def test_finetune_tp2_learns_and_exports(task, tmp_path):
     root, bert, train, valid = task
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           "-m", "zoo.training.finetune_bert", "--init", str(bert), "--data", str(train), "--valid-data", str(valid),
+           "-m", "zoo.finetune.bert", "--init", str(bert), "--data", str(train), "--valid-data", str(valid),
            "--tp", "2", "--out", str(out), *FINETUNE]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -176,7 +176,7 @@ def test_classifier_layouts_match_single_process(dist_run, task, tmp_path):
 
 
 def _main_error(capsys, argv) -> str:
-    from zoo.training.finetune_bert import main
+    from zoo.finetune.bert import main
 
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -228,7 +228,7 @@ def test_init_from_a_huggingface_bert(task, tmp_path):
     for f in (root / "tokenizer").iterdir():
         shutil.copy(f, hf / f.name)
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "zoo.training.finetune_bert", "--init", str(hf), "--data", str(train),
+    proc = subprocess.run([sys.executable, "-m", "zoo.finetune.bert", "--init", str(hf), "--data", str(train),
                            "--valid-data", str(valid), "--out", str(out), "--steps", "2", "--eval-interval", "0",
                            "--no-sample", "--set", "training.seq_length=24"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT,

@@ -83,7 +83,7 @@ def grid_and_export_case(out):
     """pp=2: the evaluation grid through every stage, then the layout-free export joined into one file."""
     from zoo.convert.io import save_model
     from zoo.training.families import get_family
-    from zoo.training.finetune_unet import consolidate
+    from zoo.finetune.unet import consolidate
     from zoo.training.train import build_data, destroy_engine, train
 
     cfg, model_cfg, grid = setup_run("seg", ["parallel.pp=2", "training.steps=1"], out)
@@ -100,7 +100,7 @@ def grid_and_export_case(out):
 
 
 def test_pipeline_evaluation_grid_and_consolidated_export(dist_run, tmp_path):
-    from zoo.models.sample_unet import PretrainedUNet
+    from zoo.generate.unet import PretrainedUNet
 
     path, before, after = dist_run(2, grid_and_export_case, str(tmp_path))[0]
     assert Path(path) == tmp_path / "samples" / "step_00000001.png"
@@ -179,8 +179,8 @@ def write_folders(root, n, size=32, seed=5):
 
 
 def test_finetune_from_exported_model_on_folders(seg_run, tmp_path, capsys):
-    from zoo.models.sample_unet import PretrainedUNet
-    from zoo.training.finetune_unet import main
+    from zoo.generate.unet import PretrainedUNet
+    from zoo.finetune.unet import main
 
     images, masks = write_folders(tmp_path / "data", 12)
     out = tmp_path / "ft"
@@ -212,7 +212,7 @@ def diffusion_run(tmp_path_factory):
 def test_diffusion_run_learns_and_writes_its_sample_grid(diffusion_run, tmp_path):
     from PIL import Image
 
-    from zoo.models.sample_unet import main
+    from zoo.generate.unet import main
 
     valid = [r for r in records(diffusion_run) if "val_loss" in r]
     assert valid[-1]["val_loss"] < valid[0]["val_loss"]
@@ -226,7 +226,7 @@ def test_diffusion_run_learns_and_writes_its_sample_grid(diffusion_run, tmp_path
 
 
 def test_sampling_cli_refuses_other_folders(seg_run, tmp_path, capsys):
-    from zoo.models.sample_unet import main
+    from zoo.generate.unet import main
 
     assert main(["--ckpt", str(seg_run), "--out", str(tmp_path / "x.png")]) == 2
     assert "needs a unet-diffusion folder" in capsys.readouterr().err
@@ -236,7 +236,7 @@ def test_sampling_cli_refuses_other_folders(seg_run, tmp_path, capsys):
 
 
 def test_benchmark_runs_both_models(capsys):
-    from zoo.training.benchmark_unet import main
+    from zoo.bench.unet import main
 
     assert main(["--steps", "1", "--warmup", "0", "--batch-size", "2"]) == 0
     out = capsys.readouterr().out

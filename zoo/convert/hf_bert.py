@@ -43,12 +43,10 @@ from __future__ import annotations
 import json
 import logging
 import re
-import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from safetensors import safe_open
 
 from zoo.convert import io
 from zoo.convert.hf_gpt import (
@@ -57,11 +55,14 @@ from zoo.convert.hf_gpt import (
     Row,
     _check_shapes,
     blocks,
+    check_zoo_rows,
+    export_rows,
     qkv_groups,
     qkv_ungroup,
-    read_safetensors,
+    read_hf_meta,
     resolve_hf_folder,
     same,
+    zoo_weights,
 )
 from zoo.models.bert import HEADS, BertConfig
 
@@ -291,16 +292,8 @@ def architecture_of(meta: dict, where: str, keys=()) -> str:
 
 def read_hf_config(folder: Path, keys=()):
     """``(architecture, transformers BertConfig)`` of a HF BERT folder (no remote code is ever run)."""
-    path = folder / "config.json"
-    if not path.is_file():
-        raise ConvertError(f"{folder} has no config.json; pass a HuggingFace model folder")
-    try:
-        meta = json.loads(path.read_text())
-    except ValueError as e:
-        raise ConvertError(f"{path} is not valid JSON ({e})") from None
-    if "zoo_format" in meta:
-        raise ConvertError(f"{folder} is a zoo model folder, not a HuggingFace one (use zoo-to-hf)")
-    arch = architecture_of(meta, str(path), keys)
+    meta = read_hf_meta(folder)
+    arch = architecture_of(meta, str(folder / "config.json"), keys)
     from transformers import BertConfig as HFBertConfig
 
     return arch, HFBertConfig.from_dict(meta)
@@ -459,47 +452,13 @@ def zoo_to_hf_bert(src, out, *, dtype: torch.dtype | None = None,
     src = Path(src)
     _, cfg, head = zoo_bert_config(src)
     arch = ARCH_OF[head]
-    try:
-        files = io.weight_map(src)
-    except io.CheckpointError as e:
-        raise ConvertError(str(e)) from None
-    shapes: dict[str, tuple] = {}
-    for fname in sorted(set(files.values())):
-        with safe_open(src / fname, "pt") as f:
-            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    files, shapes = zoo_weights(src)
     pooler = head is None and f"{cfg.num_hidden_layers + 1}.pooler.dense.weight" in shapes
-    table = bert_table(cfg, head, PREFIX if head is not None else "", pooler)
-    groups = list(blocks(table, cfg.num_hidden_layers))
-    for row in (r for g in groups for r in g):
-        if row.zoo not in shapes:
-            raise ConvertError(f"tensor {row.zoo} is missing from {src}")
-        if shapes[row.zoo] != row.zoo_shape():
-            raise ConvertError(f"tensor {row.zoo}: checkpoint has shape {shapes[row.zoo]}, its config implies "
-                               f"{row.zoo_shape()}")
+    groups = list(blocks(bert_table(cfg, head, PREFIX if head is not None else "", pooler), cfg.num_hidden_layers))
+    check_zoo_rows(groups, shapes, src)
     labels = _labels(src, cfg) if head == "classification" else {}
-    if dtype is None:  # config.json's dtype: the word embedding's
-        with safe_open(src / files[table[0].zoo], "pt") as f:
-            dtype_name = f.get_slice(table[0].zoo).get_dtype()
-        out_dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(dtype_name, torch.float32)
-    else:
-        out_dtype = dtype
-
     final = Path(out)
-    staging = io.staging_folder(final)
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    writer = io.ShardedWriter(staging, prefix="model", max_shard_bytes=max_shard_bytes)
-    for group in groups:
-        by_file: dict[str, list[str]] = {}
-        for row in group:
-            by_file.setdefault(files[row.zoo], []).append(row.zoo)
-        values = {}
-        for fname, names in by_file.items():
-            values.update(read_safetensors(src / fname, names))
-        for row in group:
-            for key, t in zip(row.hf, row.hf_tensors(values.pop(row.zoo))):
-                writer.add(key, t if dtype is None else t.to(dtype))
-    io.write_index(staging, writer.close(), writer.total_bytes)
+    staging, out_dtype = export_rows(src, final, groups, files, dtype, max_shard_bytes=max_shard_bytes)
     hf_config_from_bert(cfg, arch, out_dtype, labels).save_pretrained(staging)
     io.copy_tokenizer(src, staging)
     task, auto = TASKS[head]

@@ -230,8 +230,8 @@ def architecture_of(meta: dict, where: str) -> str:
     return arch
 
 
-def read_hf_config(folder: Path):
-    """``(architecture, transformers config object)`` of a HF model folder (no remote code is ever run)."""
+def read_hf_meta(folder: Path) -> dict:
+    """The parsed ``config.json`` of a HF model folder; a missing or broken file, or a zoo folder, refused."""
     path = folder / "config.json"
     if not path.is_file():
         raise ConvertError(f"{folder} has no config.json; pass a HuggingFace model folder")
@@ -241,7 +241,13 @@ def read_hf_config(folder: Path):
         raise ConvertError(f"{path} is not valid JSON ({e})") from None
     if "zoo_format" in meta:
         raise ConvertError(f"{folder} is a zoo model folder, not a HuggingFace one (use zoo-to-hf)")
-    arch = architecture_of(meta, str(path))
+    return meta
+
+
+def read_hf_config(folder: Path):
+    """``(architecture, transformers config object)`` of a HF model folder (no remote code is ever run)."""
+    meta = read_hf_meta(folder)
+    arch = architecture_of(meta, str(folder / "config.json"))
     from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
     cls = {"GPT2LMHeadModel": GPT2Config, "LlamaForCausalLM": LlamaConfig, "MistralForCausalLM": MistralConfig,
@@ -580,20 +586,20 @@ Check it against the zoo folder with `launch/convert.py verify --hf {name} --zoo
 """
 
 
-def zoo_to_hf(src, out, *, dtype: torch.dtype | None = None, max_shard_bytes: int = io.DEFAULT_SHARD_BYTES) -> Path:
-    """Write the zoo model folder ``src`` as a HF model folder ``out``: safetensors (one file or sharded with an
-    index), config.json, generation_config.json, tokenizer files, README.md. Streams one block at a time."""
-    src = Path(src)
+def read_zoo_gpt(folder, refusal: str) -> GPTConfig:
+    """The GPTConfig of the zoo model folder ``folder``; a folder of another family is refused in one line,
+    ``"<folder> holds a <family> model; <refusal>"``."""
     try:
-        family, meta = io.read_config(src)
+        family, meta = io.read_config(folder)
     except io.CheckpointError as e:
         raise ConvertError(str(e)) from None
     if family != "gpt":
-        raise ConvertError(f"{src} holds a {family!r} model; this converter exports the gpt family")
-    cfg = gpt_config(meta)
-    arch = export_architecture(cfg)
-    table = table_for(arch, cfg)
-    groups = list(blocks(table, cfg.num_hidden_layers))
+        raise ConvertError(f"{folder} holds a {family!r} model; {refusal}")
+    return gpt_config(meta)
+
+
+def zoo_weights(src: Path) -> tuple[dict[str, str], dict[str, tuple]]:
+    """``(tensor -> file, tensor -> shape)`` of a zoo model folder, the shapes from the safetensors headers."""
     try:
         files = io.weight_map(src)
     except io.CheckpointError as e:
@@ -602,21 +608,34 @@ def zoo_to_hf(src, out, *, dtype: torch.dtype | None = None, max_shard_bytes: in
     for fname in sorted(set(files.values())):
         with safe_open(src / fname, "pt") as f:
             shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    return files, shapes
+
+
+def check_zoo_rows(groups: list[list[Row]], shapes: dict[str, tuple], src: Path) -> None:
+    """Every zoo tensor the rows export is in the folder, in the shape its config implies."""
     for row in (r for g in groups for r in g):
         if row.zoo not in shapes:
             raise ConvertError(f"tensor {row.zoo} is missing from {src}")
         if shapes[row.zoo] != row.zoo_shape():
             raise ConvertError(f"tensor {row.zoo}: checkpoint has shape {shapes[row.zoo]}, its config implies "
                                f"{row.zoo_shape()}")
-    if dtype is None:  # config.json's dtype: the word embedding's
-        with safe_open(src / files[table[0].zoo], "pt") as f:
-            dtype_name = f.get_slice(table[0].zoo).get_dtype()
+
+
+def export_rows(src: Path, out, groups: list[list[Row]], files: dict[str, str], dtype: torch.dtype | None, *,
+                max_shard_bytes: int = io.DEFAULT_SHARD_BYTES) -> tuple[Path, torch.dtype]:
+    """The HF tensors of ``groups`` (read from the zoo folder ``src``, one group at a time, each file mapped only
+    while it is read) written by ``io.ShardedWriter`` into a fresh staging folder for ``out``, with the index.
+
+    Returns ``(staging folder, dtype for config.json)``: ``dtype``, or when None (tensors kept as stored) that of
+    the first row's tensor, the word embedding. The caller adds the config files and ``io.publish``-es it."""
+    if dtype is None:
+        first = groups[0][0].zoo
+        with safe_open(src / files[first], "pt") as f:
+            dtype_name = f.get_slice(first).get_dtype()
         out_dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(dtype_name, torch.float32)
     else:
         out_dtype = dtype
-
-    final = Path(out)
-    staging = io.staging_folder(final)
+    staging = io.staging_folder(Path(out))
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     writer = io.ShardedWriter(staging, prefix="model", max_shard_bytes=max_shard_bytes)
@@ -631,7 +650,20 @@ def zoo_to_hf(src, out, *, dtype: torch.dtype | None = None, max_shard_bytes: in
             for key, t in zip(row.hf, row.hf_tensors(values.pop(row.zoo))):
                 writer.add(key, t if dtype is None else t.to(dtype))
     io.write_index(staging, writer.close(), writer.total_bytes)
+    return staging, out_dtype
 
+
+def zoo_to_hf(src, out, *, dtype: torch.dtype | None = None, max_shard_bytes: int = io.DEFAULT_SHARD_BYTES) -> Path:
+    """Write the zoo model folder ``src`` as a HF model folder ``out``: safetensors (one file or sharded with an
+    index), config.json, generation_config.json, tokenizer files, README.md. Streams one block at a time."""
+    src = Path(src)
+    cfg = read_zoo_gpt(src, "this converter exports the gpt family")
+    arch = export_architecture(cfg)
+    groups = list(blocks(table_for(arch, cfg), cfg.num_hidden_layers))
+    files, shapes = zoo_weights(src)
+    check_zoo_rows(groups, shapes, src)
+    final = Path(out)
+    staging, out_dtype = export_rows(src, final, groups, files, dtype, max_shard_bytes=max_shard_bytes)
     special = _special_ids(src)
     hf_cfg = hf_config_from_gpt(cfg, arch, out_dtype, special)
     hf_cfg.save_pretrained(staging)

@@ -67,6 +67,18 @@ def is_model_folder(folder: str | os.PathLike) -> bool:
         return False
 
 
+def resolve_model_folder(path: str | os.PathLike) -> Path:
+    """A zoo model folder: ``path`` itself, or a training run folder's ``model/``."""
+    path = Path(path).expanduser()
+    for folder in (path, path / "model"):
+        if is_model_folder(folder):
+            return folder
+    if not path.is_dir():
+        raise CheckpointError(f"model folder {path} does not exist")
+    raise CheckpointError(f"{path} is neither a zoo model folder (config.json with zoo_format) nor a run folder with "
+                          f"one in model/; pass a folder exported by launch/train.py or its run folder")
+
+
 def read_config(folder: str | os.PathLike) -> tuple[str, dict]:
     """``(family, config dict)`` of a zoo model folder, with a clear error for anything else."""
     folder = Path(folder)

@@ -25,9 +25,9 @@ from zoo.convert import hf_bert, io
 from zoo.convert.hf_gpt import (
     ConvertError,
     HFCheckpoint,
-    gpt_config,
     gpt_config_from_hf,
     read_hf_config,
+    read_zoo_gpt,
     resolve_hf_folder,
 )
 from zoo.models.bert import BertConfig
@@ -67,13 +67,7 @@ def layout_problem(cfg: GPTConfig, tp: int, pp: int) -> str | None:
 
 def check_zoo(zoo, tp: int, pp: int) -> GPTConfig:
     """The zoo folder's config, and whether (tp, pp) can hold it; checked on every rank before any process group."""
-    try:
-        family, meta = io.read_config(zoo)
-    except io.CheckpointError as e:
-        raise ConvertError(str(e)) from None
-    if family != "gpt":
-        raise ConvertError(f"{zoo} holds a {family!r} model; this verifier compares gpt models")
-    cfg = gpt_config(meta)
+    cfg = read_zoo_gpt(zoo, "this verifier compares gpt models")
     problem = layout_problem(cfg, tp, pp)
     if problem:
         raise ConvertError(problem)

@@ -34,7 +34,6 @@ also the synthetic layout (:data:`DEFAULT_SPECIAL`); any other tokenizer's ids c
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -48,13 +47,13 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from zoo.data.indexed import CODE_OF_DTYPE, IndexedDataset, IndexedDatasetBuilder, data_file, index_file
+from zoo.data.cache import cached_build
+from zoo.data.indexed import IndexedDataset, IndexedDatasetBuilder
 from zoo.data.masking import IGNORE_INDEX, SpecialTokens, build_sentence_pair, mask_tokens
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 DEFAULT_SPECIAL = SpecialTokens(cls=2, sep=3, mask=4, pad=0, extra=(1,))
 EMBEDDED_BERT_NAME = "embedded_sentences"
-_HEADER_FORMAT = "<9sQBQQ"  # indexed.py's header: magic, version, dtype code, sequences, doc_idx entries
 
 
 def _rng(seed: int, a: int, stream: int) -> np.random.Generator:
@@ -142,37 +141,12 @@ class SentenceIndexedDatasetBuilder(IndexedDatasetBuilder):
             self._doc_idx.append(len(self))
 
     def finalize(self) -> None:
-        import struct
+        if not self._closed:
+            self.end_document()  # sentences after the last end_document form the last document
+        super().finalize()
 
-        from zoo.data.indexed import MAGIC, VERSION
-
-        if self._closed:
-            raise ValueError(f"builder for {self.prefix} is already finalized or aborted; start a new builder")
-        self.end_document()  # sentences after the last end_document form the last document
-        self._bin.close()
-        tmp_idx = None
-        try:
-            sizes = np.frombuffer(self._sizes, dtype=np.int32) if len(self._sizes) else np.zeros(0, np.int32)
-            pointers = np.zeros(sizes.size, dtype=np.int64)
-            np.cumsum(sizes[:-1], dtype=np.int64, out=pointers[1:])
-            pointers *= self.dtype.itemsize
-            doc_idx = np.asarray(self._doc_idx, dtype=np.int64)
-            folder = os.path.dirname(self.prefix) or "."
-            fd, tmp_idx = tempfile.mkstemp(dir=folder, prefix=os.path.basename(self.prefix) + ".idx.", suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                f.write(struct.pack(_HEADER_FORMAT, MAGIC, VERSION, CODE_OF_DTYPE[self.dtype], sizes.size,
-                                    doc_idx.size))
-                f.write(sizes.astype("<i4").tobytes())
-                f.write(pointers.astype("<i8").tobytes())
-                f.write(doc_idx.astype("<i8").tobytes())
-            os.replace(self._tmp_bin, data_file(self.prefix))
-            os.replace(tmp_idx, index_file(self.prefix))
-        except BaseException:
-            self.abort()
-            if tmp_idx is not None and os.path.exists(tmp_idx):
-                os.remove(tmp_idx)
-            raise
-        self._closed = True
+    def _doc_index(self) -> np.ndarray:
+        return np.asarray(self._doc_idx, dtype=np.int64)
 
 
 def write_sentence_corpus(documents: Iterable[str], tokenizer, prefix: str | os.PathLike) -> int:
@@ -220,10 +194,8 @@ def prepare_embedded_bert_corpus(cache_dir: str | os.PathLike, vocab_size: int,
 
     ``cache_dir/bert-embedded-py<X.Y>-v<vocab>/`` holds ``tokenizer/`` and ``embedded_sentences.{bin,idx}``. With
     ``tokenizer_dir`` (e.g. the tokenizer of a model pretraining continues from) the corpus is tokenized with that
-    one instead, into ``...-tok<hash of its files>/``, and ``vocab_size`` is not used. As
-    ``gpt_dataset.prepare_embedded_corpus``: built in a temporary folder beside it, moved into place with
-    ``os.replace``, ``done.json`` written last, so an interrupted build is never taken for a finished one; several
-    processes building at once all end with the same finished folder. Returns ``{"tokenizer", "prefix"}``.
+    one instead, into ``...-tok<hash of its files>/``, and ``vocab_size`` is not used. Built and reused as
+    ``zoo.data.cache.cached_build`` does. Returns ``{"tokenizer", "prefix"}``.
     """
     from zoo.data.corpus import embedded_documents
     from zoo.data.tokenizer import load_tokenizer
@@ -231,46 +203,21 @@ def prepare_embedded_bert_corpus(cache_dir: str | os.PathLike, vocab_size: int,
     docs = embedded_documents()
     digest = None if tokenizer_dir is None else _tokenizer_digest(tokenizer_dir)
     marker = _embedded_marker(0 if digest else vocab_size, len(docs), digest)
-    cache_dir = os.fspath(cache_dir)
     name = f"tok{digest}" if digest else f"v{int(vocab_size)}"
-    final = os.path.join(cache_dir, f"bert-embedded-py{marker['python']}-{name}")
-    result = {"tokenizer": os.path.join(final, "tokenizer"), "prefix": os.path.join(final, EMBEDDED_BERT_NAME)}
 
-    def finished() -> bool:
-        try:
-            with open(os.path.join(final, "done.json"), encoding="utf-8") as f:
-                return json.load(f) == marker
-        except (OSError, ValueError):
-            return False
-
-    if finished():
-        return result
-    os.makedirs(cache_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=cache_dir, prefix=".bert-embedded-build-")
-    try:
+    def build(folder: str) -> None:
         if tokenizer_dir is None:
-            train_wordpiece_tokenizer(docs, vocab_size, os.path.join(tmp, "tokenizer"))
+            train_wordpiece_tokenizer(docs, vocab_size, os.path.join(folder, "tokenizer"))
         else:
-            os.makedirs(os.path.join(tmp, "tokenizer"))
-            for name in _TOKENIZER_FILES:  # the tokenizer only (the folder may be a whole model folder)
-                if os.path.isfile(os.path.join(tokenizer_dir, name)):
-                    shutil.copy2(os.path.join(tokenizer_dir, name), os.path.join(tmp, "tokenizer", name))
-        tok = load_tokenizer(os.path.join(tmp, "tokenizer"))
-        write_sentence_corpus(docs, tok, os.path.join(tmp, EMBEDDED_BERT_NAME))
-        with open(os.path.join(tmp, "done.json"), "w", encoding="utf-8") as f:
-            json.dump(marker, f)
-        if finished():
-            return result
-        if os.path.exists(final):  # a stale or interrupted earlier build
-            shutil.rmtree(final, ignore_errors=True)
-        try:
-            os.replace(tmp, final)
-        except OSError:
-            if not finished():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return result
+            os.makedirs(os.path.join(folder, "tokenizer"))
+            for file in _TOKENIZER_FILES:  # the tokenizer only (the folder may be a whole model folder)
+                if os.path.isfile(os.path.join(tokenizer_dir, file)):
+                    shutil.copy2(os.path.join(tokenizer_dir, file), os.path.join(folder, "tokenizer", file))
+        tok = load_tokenizer(os.path.join(folder, "tokenizer"))
+        write_sentence_corpus(docs, tok, os.path.join(folder, EMBEDDED_BERT_NAME))
+
+    final = cached_build(cache_dir, f"bert-embedded-py{marker['python']}-{name}", marker, build)
+    return {"tokenizer": os.path.join(final, "tokenizer"), "prefix": os.path.join(final, EMBEDDED_BERT_NAME)}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -29,13 +29,10 @@ per million positions, in Python.
 
 from __future__ import annotations
 
-import json
 import operator
 import os
 import random
-import shutil
 import sys
-import tempfile
 from array import array
 from collections import OrderedDict
 from typing import Sequence
@@ -43,6 +40,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from zoo.data.cache import cached_build
 from zoo.data.indexed import IndexedDataset, IndexedDatasetBuilder
 
 __all__ = ["PackedDataset", "BlendedDataset", "parse_blend", "build_gpt_datasets", "prepare_embedded_corpus",
@@ -383,10 +381,10 @@ def prepare_embedded_corpus(cache_dir: str | os.PathLike, vocab_size: int, seed:
 
     Trains a byte-level BPE of ``vocab_size`` on ``embedded_documents()`` and writes every document followed by the
     EOS id (Megatron's ``--append-eod``) as one uint16 indexed dataset. Returns ``{"tokenizer": folder,
-    "prefix": prefix}``. The result sits in ``cache_dir/embedded-py<X.Y>-v<vocab>/``; it is built in a temporary
-    folder next to it and moved into place with ``os.replace``, and ``done.json`` (vocab size, Python version,
-    document count) is written last, so an interrupted build is never mistaken for a finished one. ``seed`` does not
-    change the output (BPE training and tokenization are deterministic); it is accepted for a uniform interface.
+    "prefix": prefix}``. The result sits in ``cache_dir/embedded-py<X.Y>-v<vocab>/``, built and reused as
+    ``zoo.data.cache.cached_build`` does (``done.json``: vocab size, Python version, document count). ``seed``
+    does not change the output (BPE training and tokenization are deterministic); it is accepted for a uniform
+    interface.
     """
     from zoo.data.corpus import embedded_documents
     from zoo.data.tokenizer import load_tokenizer, train_bpe_tokenizer
@@ -394,40 +392,15 @@ def prepare_embedded_corpus(cache_dir: str | os.PathLike, vocab_size: int, seed:
     del seed
     docs = embedded_documents()
     marker = _embedded_marker(vocab_size, len(docs))
-    cache_dir = os.fspath(cache_dir)
-    final = os.path.join(cache_dir, f"embedded-py{marker['python']}-v{int(vocab_size)}")
-    result = {"tokenizer": os.path.join(final, "tokenizer"), "prefix": os.path.join(final, EMBEDDED_NAME)}
 
-    def finished() -> bool:
-        try:
-            with open(os.path.join(final, "done.json"), encoding="utf-8") as f:
-                return json.load(f) == marker
-        except (OSError, ValueError):
-            return False
-
-    if finished():
-        return result
-    os.makedirs(cache_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=cache_dir, prefix=".embedded-build-")
-    try:
-        train_bpe_tokenizer(docs, vocab_size, os.path.join(tmp, "tokenizer"))
-        tok = load_tokenizer(os.path.join(tmp, "tokenizer"))
+    def build(folder: str) -> None:
+        train_bpe_tokenizer(docs, vocab_size, os.path.join(folder, "tokenizer"))
+        tok = load_tokenizer(os.path.join(folder, "tokenizer"))
         eos = tok.eos_token_id
         encoded = tok.backend_tokenizer.encode_batch(docs, add_special_tokens=False)
-        with IndexedDatasetBuilder(os.path.join(tmp, EMBEDDED_NAME), dtype=np.uint16) as builder:
+        with IndexedDatasetBuilder(os.path.join(folder, EMBEDDED_NAME), dtype=np.uint16) as builder:
             for enc in encoded:
                 builder.add_document(enc.ids + [eos])
-        with open(os.path.join(tmp, "done.json"), "w", encoding="utf-8") as f:
-            json.dump(marker, f)
-        if finished():  # another process finished meanwhile
-            return result
-        if os.path.exists(final):  # a stale or interrupted earlier build
-            shutil.rmtree(final, ignore_errors=True)
-        try:
-            os.replace(tmp, final)
-        except OSError:
-            if not finished():  # another process finished first: use its result, else a real failure
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return result
+
+    final = cached_build(cache_dir, f"embedded-py{marker['python']}-v{int(vocab_size)}", marker, build)
+    return {"tokenizer": os.path.join(final, "tokenizer"), "prefix": os.path.join(final, EMBEDDED_NAME)}

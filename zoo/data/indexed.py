@@ -108,7 +108,7 @@ class IndexedDatasetBuilder:
             # Byte offsets: exclusive prefix sum of the sizes, in int64 so that large corpora do not overflow.
             np.cumsum(sizes[:-1], dtype=np.int64, out=pointers[1:])
             pointers *= self.dtype.itemsize
-            doc_idx = np.arange(n + 1, dtype=np.int64)
+            doc_idx = self._doc_index()
             folder = os.path.dirname(self.prefix) or "."
             fd, tmp_idx = tempfile.mkstemp(dir=folder, prefix=os.path.basename(self.prefix) + ".idx.", suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
@@ -125,6 +125,10 @@ class IndexedDatasetBuilder:
                 os.remove(tmp_idx)
             raise
         self._closed = True
+
+    def _doc_index(self) -> np.ndarray:
+        """``doc_idx`` of the ``.idx``: one sequence per document here, so 0, 1, ..., D."""
+        return np.arange(len(self._sizes) + 1, dtype=np.int64)
 
     def abort(self) -> None:
         """Drop what was written; the final names are left untouched."""

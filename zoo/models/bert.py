@@ -37,13 +37,14 @@ suffix means "this TP rank's share".
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
+from zoo.models.config import TransformerConfig
 from zoo.models.gpt import ParallelOptions
 from zoo.parallel.cross_entropy import vocab_parallel_cross_entropy
 from zoo.parallel.layers import (
@@ -62,7 +63,7 @@ HEADS = (None, "mlm", "mlm+nsp", "classification")
 
 
 @dataclass
-class BertConfig:
+class BertConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dict
     vocab_size: int = 30522
     hidden_size: int = 768
     num_hidden_layers: int = 12
@@ -105,21 +106,6 @@ class BertConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
-    def padded_vocab_size(self, tp: int = 1) -> int:
-        multiple = self.make_vocab_size_divisible_by * tp
-        return -(-self.vocab_size // multiple) * multiple
-
-    def check_layout(self, tp: int, pp: int = 1) -> None:
-        """One line per problem, before anything is built: which number does not divide which."""
-        if self.num_attention_heads % tp:
-            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by tp {tp}; "
-                             f"use a tp that divides it")
-        if self.intermediate_size % tp:
-            raise ValueError(f"intermediate_size {self.intermediate_size} is not divisible by tp {tp}")
-        if self.num_hidden_layers < pp:
-            raise ValueError(f"num_hidden_layers {self.num_hidden_layers} is smaller than pp {pp}; "
-                             f"every pipeline stage needs at least one layer")
-
     def num_parameters(self, head: str | None = "pooler") -> int:
         """Parameters with the vocabulary unpadded, as HF counts them.
 
@@ -141,14 +127,6 @@ class BertConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "BertConfig":
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"BertConfig: unknown field(s) {unknown}; known fields: {sorted(names)}")
-        return cls(**d)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "BertConfig":

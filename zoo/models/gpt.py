@@ -29,6 +29,7 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
 from zoo.models.moe import GPTMoE
+from zoo.models.config import TransformerConfig
 from zoo.parallel.cross_entropy import vocab_parallel_cross_entropy
 from zoo.parallel.layers import (
     ColumnParallelLinear,
@@ -50,7 +51,9 @@ from zoo.parallel.topology import get_tensor_model_parallel_group, group_rank_an
 
 
 @dataclass
-class GPTConfig:
+class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dict
+    tp_split_heads = ("num_attention_heads", "num_key_value_heads")  # what tensor parallelism splits
+
     vocab_size: int = 50257
     hidden_size: int = 768
     num_hidden_layers: int = 12
@@ -178,28 +181,16 @@ class GPTConfig:
             return self.shared_expert_intermediate_size
         return self.num_shared_experts * self.expert_intermediate_size
 
-    def padded_vocab_size(self, tp: int = 1) -> int:
-        multiple = self.make_vocab_size_divisible_by * tp
-        return -(-self.vocab_size // multiple) * multiple
+    def has_dense_mlp(self) -> bool:
+        return any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
     def check_layout(self, tp: int, pp: int = 1, ep: int = 1) -> None:
         """One line per problem, before anything is built: which number does not divide which."""
-        if self.num_attention_heads % tp:
-            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by tp {tp}; "
-                             f"use a tp that divides it")
-        if self.num_key_value_heads % tp:
-            raise ValueError(f"num_key_value_heads {self.num_key_value_heads} is not divisible by tp {tp}; "
-                             f"use a tp that divides it")
-        dense = any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers))
-        if dense and self.intermediate_size % tp:
-            raise ValueError(f"intermediate_size {self.intermediate_size} is not divisible by tp {tp}")
         if ep > 1 and self.num_experts == 0:
             raise ValueError(f"ep {ep} needs a mixture-of-experts model (num_experts > 0)")
         if ep > 1 and self.num_experts % ep:
             raise ValueError(f"num_experts {self.num_experts} is not divisible by ep {ep}; use an ep that divides it")
-        if self.num_hidden_layers < pp:
-            raise ValueError(f"num_hidden_layers {self.num_hidden_layers} is smaller than pp {pp}; "
-                             f"every pipeline stage needs at least one layer")
+        super().check_layout(tp, pp)
 
     def num_parameters(self, include_embeddings: bool = True, active: bool = False) -> int:
         """Parameters of the unpadded model (as a HF checkpoint counts them). ``active``: those one token uses,
@@ -233,14 +224,6 @@ class GPTConfig:
         if d["head_dim"] == self.hidden_size // self.num_attention_heads:
             del d["head_dim"]
         return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "GPTConfig":
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"GPTConfig: unknown field(s) {unknown}; known fields: {sorted(names)}")
-        return cls(**d)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "GPTConfig":

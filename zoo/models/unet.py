@@ -42,7 +42,7 @@ N = H*W positions.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule
 from torch import nn
 
+from zoo.models.config import from_fields
 from zoo.models.gpt import ParallelOptions
 from zoo.parallel.layers import (
     ColumnParallelConv2d,
@@ -73,14 +74,6 @@ def _need(ok: bool, where: str, msg: str) -> None:
 
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-
-
-def _from_dict(cls, d: dict):
-    names = {f.name for f in fields(cls)}
-    unknown = sorted(set(d) - names)
-    if unknown:
-        raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}; known fields: {sorted(names)}")
-    return cls(**d)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -129,7 +122,7 @@ class SegUNetConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "SegUNetConfig":
-        return _from_dict(cls, d)
+        return from_fields(cls, d)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "SegUNetConfig":
@@ -253,7 +246,7 @@ class DiffusionUNetConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "DiffusionUNetConfig":
-        return _from_dict(cls, d)
+        return from_fields(cls, d)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "DiffusionUNetConfig":

@@ -10,7 +10,6 @@ Entry point: ``launch/train.py`` (one process, ``torchrun`` or the ``deepspeed``
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -22,10 +21,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import yaml
 
+from zoo.data.batches import micro_batch, to_device
 from zoo.training.config import ConfigError, RunConfig, deepspeed_config, load, validate
-from zoo.training.families import Data, collate, get_family, to_device
+from zoo.training.families import Data, get_family
+from zoo.training.run import RunParser, command, loss_change, process_group, say, start_run, train_and_save
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gpt" / "tiny.yaml"
 
@@ -245,8 +245,6 @@ def reduced_stats(loss_fn, family) -> dict:
 
 def evaluate(engine, loss_fn, cfg: RunConfig, grid, dataset, device) -> float:
     """Mean loss over ``eval_iters`` global batches of the validation set (the same samples every time)."""
-    from zoo.data.synthetic import micro_batch
-
     tr, gas = cfg.training, cfg.gradient_accumulation_steps
     total = 0.0
     for it in range(tr.eval_iters):
@@ -280,11 +278,10 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
     """Run from step 0 (or the checkpoint ``resume``) to ``cfg.training.steps``.
 
     Returns the per-step losses (on every rank), or a ``RunResult`` with the engine still alive when
-    ``keep_engine`` (the caller exports the model and calls ``engine.destroy()``).
+    ``keep_engine`` (the caller exports the model and calls ``destroy_engine(engine)``).
     """
     from deepspeed.accelerator import get_accelerator
 
-    from zoo.data.synthetic import micro_batch
     from zoo.training import checkpoint as ckpt
     from zoo.training.metrics import device_name, peak_memory_gb, peak_tflops
 
@@ -408,41 +405,19 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
     return losses
 
 
-def add_run_flags(p: argparse.ArgumentParser, *, eval_help: str = "validation loss",
-                  load_help: str = "") -> None:
-    """The flags every run command shares (train, finetune): layout, steps, intervals, resume, --set."""
-    p.add_argument("--tp", type=int, help="tensor-parallel size")
-    p.add_argument("--pp", type=int, help="pipeline-parallel size")
-    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (pp > 1 allows 0 or 1)")
-    p.add_argument("--steps", type=int, help="number of optimizer steps (the run's total, also when resuming)")
-    p.add_argument("--eval-interval", type=int, metavar="N",
-                   help=f"{eval_help} every N steps (also before step 1 and at the end); 0: never")
-    p.add_argument("--save-interval", type=int, metavar="N",
-                   help="checkpoint every N steps into OUT/checkpoints (the last step is always saved)")
-    p.add_argument("--load", metavar="DIR",
-                   help="resume from a run folder (or its checkpoints/ folder)" + load_help +
-                        ". Without --load, a run resumes from OUT/checkpoints when that exists")
-    p.add_argument("--load-step", type=int, metavar="N", help="with --load: that step instead of the latest")
-    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override any config field, e.g. --set training.lr=3e-4 training.micro_batch_size=8")
-
-
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        prog="launch/train.py",
-        description="Train a zoo model. Works in one process, under torchrun and under the deepspeed launcher; "
-                    "data parallelism is world_size / (tp x pp). With no arguments: the tiny GPT on the embedded "
-                    "corpus (Python's own help texts), about 5 minutes on 2 CPU cores.")
+    p = RunParser("launch/train.py", "Train a zoo model.",
+                  "With no arguments: the tiny GPT on the embedded corpus (Python's own help texts), about 5 minutes "
+                  "on 2 CPU cores.")
     p.add_argument("--config", help=f"run config YAML (default: {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])})")
-    add_run_flags(p, load_help=": model, optimizer, LR schedule, step, RNG and data position; another tp/pp/dp "
-                               "goes through DeepSpeed's universal checkpoint")
+    p.add_run_flags(load_help=": model, optimizer, LR schedule, step, RNG and data position; another tp/pp/dp "
+                              "goes through DeepSpeed's universal checkpoint")
     p.add_argument("--out", help="output folder: config.yaml, metrics.jsonl, tb/, loss.png, checkpoints/, model/")
     p.add_argument("--init", metavar="DIR",
                    help="start from these weights: a zoo model folder (launch/convert.py hf-to-zoo, or a run's model/) "
                         "or a HuggingFace folder / Hub id (converted on the fly); the model config comes from it")
     p.add_argument("--no-sample", action="store_true", help="skip the sample printed at the end")
-    args, _unknown = p.parse_known_args(argv)  # the deepspeed launcher adds --local_rank=N
-    return args
+    return p.parse_args(argv)
 
 
 def config_from_args(args) -> RunConfig:
@@ -494,52 +469,35 @@ def resume_plan(cfg: RunConfig, model_cfg, args):
     return found, universal
 
 
-def main(argv=None) -> int:
-    from zoo.convert.io import save_model
-    from zoo.parallel.topology import destroy_model_parallel, initialize_model_parallel
-    from zoo.training.checkpoint import ResumeError
+def plan(args, world_size: int) -> tuple:
+    """``(run config, model config, checkpoint to resume or None, whether it resumes through the universal
+    checkpoint)``, all checked before any process group exists."""
+    cfg = config_from_args(args)
+    model_cfg = validate(cfg, world_size)
+    return (cfg, model_cfg, *resume_plan(cfg, model_cfg, args))
 
-    args = parse_args(argv)
-    rank0 = os.environ.get("RANK", "0") == "0"
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        cfg = config_from_args(args)
-        model_cfg = validate(cfg, world)  # before any process group exists
-        resume, universal = resume_plan(cfg, model_cfg, args)
-    except (ConfigError, ResumeError) as e:
-        if rank0:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
-    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp)
-    out = Path(cfg.out)
-    say = lambda s: print(s, flush=True)  # noqa: E731
-    if grid.rank == 0:
+
+def run(args, cfg: RunConfig, model_cfg, resume, universal: bool) -> int:
+    out, family = Path(cfg.out), get_family(cfg.model.family)
+    with process_group(cfg) as grid:
+        rank0 = grid.rank == 0
         count = model_cfg.num_parameters() if hasattr(model_cfg, "num_parameters") else float("nan")
-        per_sample = f" x {cfg.training.seq_length} tokens" if get_family(cfg.model.family).unit == "tokens" else ""
-        say(f"zoo: {cfg.model.family} {count / 1e6:.2f}M parameters | tp={grid.tp} pp={grid.pp} dp={grid.dp} "
-            f"zero={cfg.parallel.zero_stage} | global batch {cfg.global_batch_size}{per_sample} | "
-            f"{cfg.training.precision} | data: {cfg.data.source}")
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    try:
+        per_sample = f" x {cfg.training.seq_length} tokens" if family.unit == "tokens" else ""
+        start_run(cfg, grid, f"zoo: {cfg.model.family} {count / 1e6:.2f}M parameters | tp={grid.tp} pp={grid.pp} "
+                             f"dp={grid.dp} zero={cfg.parallel.zero_stage} | global batch {cfg.global_batch_size}"
+                             f"{per_sample} | {cfg.training.precision} | data: {cfg.data.source}")
         data = build_data(cfg, model_cfg, grid)
-        result = train(cfg, model_cfg, grid, log=say, resume=resume, universal=universal, data=data,
-                       keep_engine=True, progress=True)
-        engine = result.engine
-        if cfg.training.save:
-            save_model(out / "model", engine.module, grid, cfg.model.family, model_cfg.to_dict(),
-                       tokenizer_dir=data.tokenizer_dir)
-        destroy_engine(engine)
-        if grid.rank == 0:
+        result = train_and_save(cfg, model_cfg, grid, data, resume=resume, universal=universal)
+        if rank0:
             if result.val_losses:
-                (s0, v0), (s1, v1) = result.val_losses[0], result.val_losses[-1]
-                say(f"validation loss {v0:.3f} (step {s0}) -> {v1:.3f} (step {s1}), {100 * v1 / v0:.0f}% of the first")
+                say(loss_change(result.val_losses, share=True))
             say(f"done: metrics in {out / 'metrics.jsonl'} | TensorBoard: tensorboard --logdir {out / 'tb'} | "
                 f"loss plot {out / 'loss.png'}" + (f" | checkpoints {out / 'checkpoints'} | model {out / 'model'}"
                                                     if cfg.training.save else ""))
-    finally:
-        is_rank0 = grid.rank == 0
-        destroy_model_parallel()
-    if is_rank0 and cfg.training.save and not args.no_sample:
-        get_family(cfg.model.family).after_training(out / "model", say)
+    if rank0 and cfg.training.save and not args.no_sample:
+        family.after_training(out / "model", say)
     return 0
+
+
+def main(argv=None) -> int:
+    return command(parse_args(argv), plan, run)

@@ -4,9 +4,9 @@
 specs, its loss, its data, its FLOP count and how DeepSpeed's universal checkpoint splits its parameters. Each
 family lives in its own module here and is imported only when a run names it (``model.family`` in the config).
 
-A batch is whatever the family's dataset returns per sample, stacked: a tensor of ``seq_length + 1`` tokens (GPT:
-inputs and labels are its shifts), or a pair ``(inputs, labels)`` whose parts are tensors or tuples of tensors
-(``(input_ids, token_type_ids, attention_mask)`` for BERT). The loss object may also keep running sums of extra
+A batch is whatever the family's dataset returns per sample, stacked (``zoo.data.batches``): a tensor of
+``seq_length + 1`` tokens (GPT: inputs and labels are its shifts), or a pair ``(inputs, labels)`` whose parts are
+tensors or tuples of tensors (``(input_ids, token_type_ids, attention_mask)`` for BERT). The loss object may also keep running sums of extra
 metrics (``stats()``: e.g. correct and total masked tokens), which the loop reduces over all ranks and turns into
 ratios with ``derive_metrics``.
 """
@@ -105,18 +105,3 @@ def get_family(name: str) -> Family:
         raise ValueError(f"model.family {name!r} is not available in this version ({e.name} missing)") from None
     return module.FAMILIES[name] if hasattr(module, "FAMILIES") else module.FAMILY
 
-
-def collate(samples: list):
-    """Stack samples that are tensors, or (nested) tuples of tensors, element by element."""
-    import torch
-
-    first = samples[0]
-    if isinstance(first, (tuple, list)):
-        return tuple(collate([s[i] for s in samples]) for i in range(len(first)))
-    return torch.stack(samples)
-
-
-def to_device(batch, device):
-    if isinstance(batch, (tuple, list)):
-        return tuple(to_device(b, device) for b in batch)
-    return batch.to(device)

@@ -16,7 +16,7 @@ Metrics per step and per evaluation: ``mlm_accuracy`` (argmax over the full voca
 ``bert-classifier``: the ``"classification"`` head on ``data.source: classification`` (``data.paths: [FILE]``, a
 csv or jsonl with ``text``, optional ``text_pair``, ``label``; ``data.valid_paths: [FILE]`` or ``valid_fraction``
 of the rows held out). ``model.num_labels`` must equal the training file's number of labels (ids in sorted label
-order). Metrics: ``accuracy`` and macro ``f1``. ``zoo/training/finetune_bert.py`` is the entry point: it sets
+order). Metrics: ``accuracy`` and macro ``f1``. ``zoo/finetune/bert.py`` is the entry point: it sets
 num_labels, and initializes from a pretrained zoo BERT folder with :func:`write_classifier_init` (the encoder and
 pooler from the folder, a new classifier head).
 
@@ -509,7 +509,7 @@ class BertClassifierFamily(_BertBase):
                              f"two at least")
         if model.num_labels != len(names):
             raise ValueError(f"model.num_labels is {model.num_labels} but {train.path} has {len(names)} labels "
-                             f"{names[:10]}; set model.num_labels={len(names)} (zoo/training/finetune_bert.py sets "
+                             f"{names[:10]}; set model.num_labels={len(names)} (zoo/finetune/bert.py sets "
                              f"it for you)")
 
     def build_data(self, cfg, model, grid) -> Data:

@@ -405,7 +405,7 @@ class SegmentationFamily(_UNetFamily):
 
     def after_training(self, model_dir, log) -> None:
         """The grid from the exported model, read back from disk in this process (any training layout)."""
-        from zoo.models.sample_unet import PretrainedUNet
+        from zoo.generate.unet import PretrainedUNet
         from zoo.training.config import DataSection
 
         out = Path(model_dir).parent
@@ -525,7 +525,7 @@ class DiffusionFamily(_UNetFamily):
     def after_training(self, model_dir, log, num: int = SAMPLE_IMAGES, steps: int = SAMPLE_STEPS) -> None:
         """``OUT/samples.png``: ``num`` images sampled from the exported model (``steps`` DDPM steps), read back
         from disk in this process."""
-        from zoo.models.sample_unet import sample_grid
+        from zoo.generate.unet import sample_grid
 
         out = Path(model_dir).parent
         seed = int((_read_run_config(out).get("training") or {}).get("seed", 0))

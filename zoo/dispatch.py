@@ -44,9 +44,9 @@ def family_of(path: str | None) -> str | None:
 def generate_main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if family_of(_flag(argv, "--ckpt")) == "unet-diffusion":
-        from zoo.models.sample_unet import main
+        from zoo.generate.unet import main
     else:
-        from zoo.models.generate import main
+        from zoo.generate.gpt import main
     return main(argv)
 
 
@@ -54,9 +54,9 @@ def finetune_main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     family = family_of(_flag(argv, "--init"))
     if family in ("bert", "bert-classifier"):
-        from zoo.training.finetune_bert import main
+        from zoo.finetune.bert import main
     elif family == "unet-segmentation":
-        from zoo.training.finetune_unet import main
+        from zoo.finetune.unet import main
     else:
-        from zoo.training.finetune import main
+        from zoo.finetune.gpt import main
     return main(argv)

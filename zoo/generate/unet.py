@@ -1,6 +1,7 @@
 """A zoo U-Net folder as one plain module, and a grid of images sampled from a diffusion U-Net.
 
-    python -m zoo.models.sample_unet --ckpt runs/unet-diffusion --out grid.png --num 16 --steps 50 --seed 0
+    python launch/generate.py --ckpt runs/unet-diffusion --out grid.png --num 16 --steps 50 --seed 0
+    python -m zoo.generate.unet --ckpt runs/unet-diffusion --out grid.png       # the same, without the dispatch
 
 :class:`PretrainedUNet` follows huggingface_hub's ``ModelHubMixin`` conventions: ``from_pretrained(folder)`` reads
 ``config.json`` and ``model.safetensors`` (or the sharded index) and ``save_pretrained(folder)`` writes them. The
@@ -19,21 +20,9 @@ from pathlib import Path
 
 import torch
 
+from zoo.convert import io
+from zoo.data.image_folders import grid_shape
 from zoo.models.specs import SpecSequential
-
-
-def resolve_model_folder(path: str | os.PathLike) -> Path:
-    """A zoo model folder: ``path`` itself, or a run folder's ``model/``."""
-    from zoo.convert import io
-
-    path = Path(path).expanduser()
-    for folder in (path, path / "model"):
-        if io.is_model_folder(folder):
-            return folder
-    if not path.exists():
-        raise io.CheckpointError(f"{path} does not exist")
-    raise io.CheckpointError(f"{path} is not a zoo model folder (no config.json with zoo_format) and has no model/ "
-                             f"subfolder; pass a folder exported by launch/train.py or its run folder")
 
 
 class PretrainedUNet(SpecSequential):
@@ -51,10 +40,9 @@ class PretrainedUNet(SpecSequential):
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> "PretrainedUNet":
         """Load a zoo U-Net folder (or a run folder with ``model/``), in eval mode."""
-        from zoo.convert import io
         from zoo.models.unet import config_from_dict
 
-        folder = resolve_model_folder(folder)
+        folder = io.resolve_model_folder(folder)
         family, config = io.read_config(folder)
         try:
             model = cls(config_from_dict(family, config))
@@ -65,8 +53,6 @@ class PretrainedUNet(SpecSequential):
 
     def save_pretrained(self, folder: str | os.PathLike) -> Path:
         """Write ``config.json`` + ``model.safetensors`` (a zoo model folder), replacing ``folder`` once complete."""
-        from zoo.convert import io
-
         tensors = ((name, p.detach().cpu().contiguous()) for name, p in self.named_parameters())
         return io.write_model_folder(folder, self.family, self.config.to_dict(), tensors)
 
@@ -102,8 +88,6 @@ def image_grid(images: torch.Tensor, cols: int | None = None, pad: int = 2, scal
     tiles in row-major order on a white background, each pixel repeated ``scale`` times."""
     import numpy as np
 
-    from zoo.data.image_folders import grid_shape
-
     n, c, h, w = images.shape
     rows, cols = grid_shape(n) if cols is None else ((n + cols - 1) // cols, cols)
     tiles = ((images.detach().float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
@@ -132,17 +116,16 @@ def save_grid(path: str | os.PathLike, images: torch.Tensor, *, scale: int | Non
 def sample_grid(ckpt: str | os.PathLike, out: str | os.PathLike, *, num: int = 16, steps: int = 50,
                 seed: int = 0) -> Path:
     """Sample ``num`` images from the diffusion U-Net in ``ckpt`` into the PNG grid ``out``."""
-    from zoo.convert.io import CheckpointError
-
     model = PretrainedUNet.from_pretrained(ckpt)
     if model.family != "unet-diffusion":
-        raise CheckpointError(f"{ckpt} holds a {model.family!r} model; sampling needs a unet-diffusion folder")
+        raise io.CheckpointError(f"{ckpt} holds a {model.family!r} model; sampling needs a unet-diffusion folder")
     return save_grid(out, model.sample(num, steps=steps, seed=seed))
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="sample_unet", description="Sample a PNG grid of images from a zoo diffusion "
-                                                               "U-Net folder (DDPM ancestral sampling, one process).")
+    p = argparse.ArgumentParser(prog="python -m zoo.generate.unet",
+                                description="Sample a PNG grid of images from a zoo diffusion U-Net folder (DDPM "
+                                            "ancestral sampling, one process).")
     p.add_argument("--ckpt", required=True, metavar="DIR",
                    help="a zoo unet-diffusion model folder, or a run folder holding model/")
     p.add_argument("--out", required=True, metavar="GRID.png", help="where to write the grid")
@@ -153,8 +136,6 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from zoo.convert.io import CheckpointError
-
     args = parse_args(argv)
     if args.num < 1:
         print(f"error: --num must be >= 1, got {args.num}", file=sys.stderr)
@@ -165,7 +146,7 @@ def main(argv=None) -> int:
         return 2
     try:
         path = sample_grid(args.ckpt, args.out, num=args.num, steps=args.steps, seed=args.seed)
-    except CheckpointError as e:
+    except io.CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {path} ({args.num} images, {args.steps} DDPM steps, seed {args.seed})")

@@ -1,7 +1,7 @@
 """Fine-tune a BERT for sequence classification, in any layout; the result as a zoo folder and a HF folder.
 
-    python -m zoo.training.finetune_bert --init runs/bert-tiny/model --data train.csv --valid-data valid.csv
-    torchrun --nproc_per_node 2 -m zoo.training.finetune_bert --init DIR --data train.jsonl --tp 2 --out runs/cls
+    python -m zoo.finetune.bert --init runs/bert-tiny/model --data train.csv --valid-data valid.csv
+    torchrun --nproc_per_node 2 -m zoo.finetune.bert --init DIR --data train.jsonl --tp 2 --out runs/cls
 
 The run is launch/train.py's (``zoo.training.train.train``: tp/pp/dp/ZeRO, evaluation, checkpoints, exact resume)
 with the ``bert-classifier`` family (zoo/training/families/bert.py). What this entry point adds:
@@ -28,18 +28,16 @@ longest segment first, and counted in one warning.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import sys
 from pathlib import Path
 
-import yaml
-
+from zoo.finetune.common import add_finetune_flags, run_config
 from zoo.training.config import ConfigError, RunConfig, validate
-from zoo.training.train import add_run_flags
-from zoo.training.train import config_from_args as train_config_from_args
+from zoo.training.run import RunParser, command, process_group, say, start_run, train_and_save
+from zoo.training.train import resume_plan
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "bert" / "classify.yaml"
 FAMILY = "bert-classifier"
@@ -49,11 +47,8 @@ INIT_OVERRIDABLE = ("hidden_dropout_prob", "attention_probs_dropout_prob", "clas
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        prog="python -m zoo.training.finetune_bert",
-        description="Fine-tune a BERT for sequence classification. Works in one process, under torchrun and under "
-                    "the deepspeed launcher; data parallelism is world_size / (tp x pp). Writes OUT/model (zoo) and "
-                    "OUT/hf (transformers' BertForSequenceClassification).")
+    p = RunParser("python -m zoo.finetune.bert", "Fine-tune a BERT for sequence classification.",
+                  "Writes OUT/model (zoo) and OUT/hf (transformers' BertForSequenceClassification).")
     p.add_argument("--init", metavar="DIR",
                    help="the BERT to start from: a zoo folder (family bert or bert-classifier) or a HuggingFace BERT "
                         "folder; its tokenizer is used unless --set data.tokenizer=DIR. Default: the config's preset, "
@@ -62,27 +57,14 @@ def parse_args(argv=None):
                    help="training examples, .csv or .jsonl with columns text, label and optionally text_pair")
     p.add_argument("--valid-data", metavar="FILE",
                    help="validation examples, same format (default: hold out data.valid_fraction of --data)")
-    p.add_argument("--config", default=str(DEFAULT_CONFIG),
-                   help=f"run config YAML (default: {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])})")
-    add_run_flags(p, eval_help="evaluation (loss, accuracy, F1)")
-    p.add_argument("--out", help="output folder: config.yaml, metrics.jsonl, loss.png, checkpoints/, model/, hf/")
-    p.add_argument("--no-sample", action="store_true", help="skip the predictions printed at the end")
-    args, _unknown = p.parse_known_args(argv)  # the deepspeed launcher adds --local_rank=N
-    return args
+    add_finetune_flags(p, DEFAULT_CONFIG, evaluation="evaluation (loss, accuracy, F1)",
+                       sample="skip the predictions printed at the end")
+    return p.parse_args(argv)
 
 
 def config_from_args(args) -> RunConfig:
-    # Paths are set as given, not through --set's YAML parsing (a path may hold ':' or look like a number).
-    cfg = train_config_from_args(argparse.Namespace(**{**vars(args), "init": None, "out": None}))
-    if args.out is not None:
-        cfg.out = args.out
-    if args.init is not None:
-        cfg.training.init_from = args.init
-    cfg.data.source = "classification"
-    cfg.data.paths = [args.data]
-    if args.valid_data is not None:
-        cfg.data.valid_paths = [args.valid_data]
-    return cfg
+    return run_config(args, "classification", [args.data],
+                      valid_paths=None if args.valid_data is None else [args.valid_data])
 
 
 def init_source(src: str) -> tuple[str, dict, str | None]:
@@ -192,63 +174,41 @@ def export_hf(model_dir: Path, out: Path) -> Path | None:
     return zoo_to_hf_bert(model_dir, out / "hf")
 
 
-def main(argv=None) -> int:
-    from zoo.convert.io import save_model
-    from zoo.parallel.topology import destroy_model_parallel, initialize_model_parallel
-    from zoo.training.checkpoint import ResumeError
-    from zoo.training.families import get_family
-    from zoo.training.train import resume_plan, train
+def plan(args, world_size: int) -> tuple:
+    """``(run config, model config, resume, universal, label names, init kind)``, all checked before any process
+    group exists."""
+    cfg = config_from_args(args)
+    model_cfg, names, kind = validate_run(cfg, world_size)
+    return (cfg, model_cfg, *resume_plan(cfg, model_cfg, args), names, kind)
 
-    args = parse_args(argv)
-    rank0 = os.environ.get("RANK", "0") == "0"
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        cfg = config_from_args(args)
-        model_cfg, names, kind = validate_run(cfg, world)  # before any process group exists
-        resume, universal = resume_plan(cfg, model_cfg, args)
-    except (ConfigError, ResumeError) as e:
-        if rank0:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
+
+def run(args, cfg: RunConfig, model_cfg, resume, universal: bool, names: list, kind: str | None) -> int:
+    from zoo.training.families import Data, get_family
+
     family = get_family(FAMILY)
-    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp)
     out, tr = Path(cfg.out), cfg.training
-    say = lambda s: print(s, flush=True)  # noqa: E731
-    try:
+    with process_group(cfg) as grid:
+        rank0 = grid.rank == 0
         data = family.classification_data(cfg, model_cfg)
         # Every evaluation covers the validation set once: ceil(N / global batch) batches (the tail is padding
         # samples with label -100, which the loss and the metrics skip).
         if data["valid"] is not None:
             tr.eval_iters = max(1, math.ceil(data["valid_examples"] / cfg.global_batch_size))
-        if grid.rank == 0:
-            say(f"zoo fine-tune ({FAMILY}) of {tr.init_from or 'a random ' + str(cfg.model.preset)}: "
-                f"{model_cfg.num_parameters('classification') / 1e6:.2f}M parameters | {len(names)} labels "
-                f"{[str(n) for n in names[:10]]} | tp={grid.tp} pp={grid.pp} dp={grid.dp} "
-                f"zero={cfg.parallel.zero_stage} | global batch {cfg.global_batch_size} x {tr.seq_length} tokens | "
-                f"{tr.precision} | {data['examples'] - data['valid_examples']} training, {data['valid_examples']} "
-                f"validation examples")
-            if data["truncated"]:
-                print(f"warning: {data['truncated']} of {data['examples']} example(s) are longer than "
-                      f"training.seq_length {tr.seq_length} tokens and were truncated (longest segment first); raise "
-                      f"training.seq_length (at most max_position_embeddings {model_cfg.max_position_embeddings}) "
-                      f"to keep them whole", file=sys.stderr, flush=True)
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        warning = None if not data["truncated"] else (
+            f"warning: {data['truncated']} of {data['examples']} example(s) are longer than training.seq_length "
+            f"{tr.seq_length} tokens and were truncated (longest segment first); raise training.seq_length (at most "
+            f"max_position_embeddings {model_cfg.max_position_embeddings}) to keep them whole")
+        start_run(cfg, grid, f"zoo fine-tune ({FAMILY}) of {tr.init_from or 'a random ' + str(cfg.model.preset)}: "
+                             f"{model_cfg.num_parameters('classification') / 1e6:.2f}M parameters | {len(names)} "
+                             f"labels {[str(n) for n in names[:10]]} | tp={grid.tp} pp={grid.pp} dp={grid.dp} "
+                             f"zero={cfg.parallel.zero_stage} | global batch {cfg.global_batch_size} x "
+                             f"{tr.seq_length} tokens | {tr.precision} | {data['examples'] - data['valid_examples']} "
+                             f"training, {data['valid_examples']} validation examples", warning)
         if tr.init_from is not None and resume is None:
             tr.init_from = str(prepare_init_folder(cfg, model_cfg, kind, grid, say))
-        from zoo.training.families import Data
-
-        result = train(cfg, model_cfg, grid, log=say, resume=resume, universal=universal,
-                       data=Data(data["train"], data["valid"], cfg.data.tokenizer), keep_engine=True, progress=True)
-        engine = result.engine
-        if tr.save:
-            save_model(out / "model", engine.module, grid, FAMILY, model_cfg.to_dict(),
-                       tokenizer_dir=cfg.data.tokenizer)
-        engine.destroy()
-    finally:
-        is_rank0 = grid.rank == 0
-        destroy_model_parallel()
-    if not (is_rank0 and tr.save):
+        train_and_save(cfg, model_cfg, grid, Data(data["train"], data["valid"], cfg.data.tokenizer), resume=resume,
+                       universal=universal)
+    if not (rank0 and tr.save):
         return 0
     write_labels(out / "model", names)
     hf = export_hf(out / "model", out)
@@ -264,6 +224,10 @@ def main(argv=None) -> int:
     if not args.no_sample:
         family.after_training(out / "model", say)
     return 0
+
+
+def main(argv=None) -> int:
+    return command(parse_args(argv), plan, run)
 
 
 if __name__ == "__main__":

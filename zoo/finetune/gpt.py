@@ -14,19 +14,15 @@ before any process group exists; each problem is one ``error: ...`` line and exi
 
 from __future__ import annotations
 
-import argparse
-import os
 import shutil
-import sys
 from pathlib import Path
 
 import torch
-import yaml
 
 from zoo.data.instruct import InstructData, InstructError, load_instruct_data
+from zoo.finetune.common import add_finetune_flags, run_config
 from zoo.training.config import ConfigError, RunConfig, validate
-from zoo.training.train import add_run_flags
-from zoo.training.train import config_from_args as train_config_from_args
+from zoo.training.run import RunParser, command, loss_change, process_group, say, start_run, train_and_save
 from zoo.training.train import resume_plan
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gpt" / "finetune.yaml"
@@ -34,11 +30,8 @@ GENERATION_CONFIG = "generation_config.json"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        prog="launch/finetune.py",
-        description="Fine-tune a GPT on instruction data (loss on the responses only). Works in one process, under "
-                    "torchrun and under the deepspeed launcher; data parallelism is world_size / (tp x pp). Writes "
-                    "OUT/model (zoo) and OUT/hf (transformers).")
+    p = RunParser("launch/finetune.py", "Fine-tune a GPT on instruction data (loss on the responses only).",
+                  "Writes OUT/model (zoo) and OUT/hf (transformers).")
     p.add_argument("--init", required=True, metavar="SRC",
                    help="the model to fine-tune: a zoo model folder (launch/convert.py hf-to-zoo, or a run's model/), "
                         "or a HuggingFace folder / Hub id; its tokenizer is used unless --set data.tokenizer=DIR")
@@ -50,28 +43,14 @@ def parse_args(argv=None):
                                                               "of --data, see --valid-fraction)")
     p.add_argument("--valid-fraction", type=float, metavar="F",
                    help="without --valid-data: hold out this fraction of --data for validation (0: none)")
-    p.add_argument("--config", default=str(DEFAULT_CONFIG),
-                   help=f"run config YAML (default: {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])})")
-    add_run_flags(p, eval_help="validation loss")
-    p.add_argument("--out", help="output folder: config.yaml, metrics.jsonl, loss.png, checkpoints/, model/, hf/")
-    p.add_argument("--no-sample", action="store_true", help="skip the sample completion printed at the end")
-    args, _unknown = p.parse_known_args(argv)  # the deepspeed launcher adds --local_rank=N
-    return args
+    add_finetune_flags(p, DEFAULT_CONFIG, evaluation="validation loss",
+                       sample="skip the sample completion printed at the end")
+    return p.parse_args(argv)
 
 
 def config_from_args(args) -> RunConfig:
-    # Paths are set as given, not through --set's YAML parsing (a path may hold ':' or look like a number).
-    cfg = train_config_from_args(argparse.Namespace(**{**vars(args), "init": None, "out": None}))
-    cfg.training.init_from = args.init
-    if args.out is not None:
-        cfg.out = args.out
-    cfg.data.source = "instruct"
-    cfg.data.paths = [args.data]
-    if args.valid_data is not None:
-        cfg.data.valid_paths = [args.valid_data]
-    if args.valid_fraction is not None:
-        cfg.data.valid_fraction = args.valid_fraction
-    return cfg
+    return run_config(args, "instruct", [args.data], valid_paths=None if args.valid_data is None else [args.valid_data],
+                      valid_fraction=args.valid_fraction)
 
 
 def validate_run(cfg: RunConfig, world_size: int):
@@ -134,55 +113,35 @@ def sample_completion(model_dir: Path, tokenizer, prompt_ids: list[int], max_new
     return tokenizer.decode(new)
 
 
-def main(argv=None) -> int:
-    from zoo.convert.hf_gpt import ConvertError
-    from zoo.convert.io import save_model
-    from zoo.data.tokenizer import load_tokenizer
-    from zoo.parallel.topology import destroy_model_parallel, initialize_model_parallel
-    from zoo.training.checkpoint import ResumeError
-    from zoo.training.families import Data
-    from zoo.training.train import train
+def plan(args, world_size: int) -> tuple:
+    """``(run config, model config, resume, universal, instruction data)``, all checked before any process group
+    exists."""
+    cfg = config_from_args(args)
+    model_cfg = validate_run(cfg, world_size)
+    return (cfg, model_cfg, *resume_plan(cfg, model_cfg, args), load_data(cfg))
 
-    args = parse_args(argv)
-    rank0 = os.environ.get("RANK", "0") == "0"
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        cfg = config_from_args(args)
-        model_cfg = validate_run(cfg, world)  # before any process group exists
-        resume, universal = resume_plan(cfg, model_cfg, args)
-        data = load_data(cfg)
-    except (ConfigError, ResumeError, InstructError) as e:
-        if rank0:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
-    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp)
+
+def run(args, cfg: RunConfig, model_cfg, resume, universal: bool, data: InstructData) -> int:
+    from zoo.convert.hf_gpt import ConvertError
+    from zoo.data.tokenizer import load_tokenizer
+    from zoo.training.families import Data
+
     out, tr = Path(cfg.out), cfg.training
-    say = lambda s: print(s, flush=True)  # noqa: E731
-    if grid.rank == 0:
-        say(f"zoo fine-tune of {tr.init_from}: {model_cfg.num_parameters() / 1e6:.2f}M parameters | tp={grid.tp} "
-            f"pp={grid.pp} dp={grid.dp} zero={cfg.parallel.zero_stage} | global batch {cfg.global_batch_size} x "
-            f"{tr.seq_length} tokens | {tr.precision} | {data.summary()}")
-        if data.truncated:
-            print(f"warning: {data.truncated} example(s) longer than training.seq_length + 1 = {tr.seq_length + 1} "
-                  f"tokens were truncated ({data.emptied} of them lost every response token and train nothing); "
-                  f"raise training.seq_length to keep them whole", file=sys.stderr, flush=True)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    try:
-        result = train(cfg, model_cfg, grid, log=say, resume=resume, universal=universal,
-                       data=Data(data.train, data.valid, cfg.data.tokenizer), keep_engine=True, progress=True)
-        engine = result.engine
-        if tr.save:
-            save_model(out / "model", engine.module, grid, cfg.model.family, model_cfg.to_dict(),
-                       tokenizer_dir=cfg.data.tokenizer)
-        engine.destroy()
-        if grid.rank == 0 and result.val_losses:
-            (s0, v0), (s1, v1) = result.val_losses[0], result.val_losses[-1]
-            say(f"validation loss (response tokens) {v0:.3f} (step {s0}) -> {v1:.3f} (step {s1})")
-    finally:
-        is_rank0 = grid.rank == 0
-        destroy_model_parallel()
-    if not (is_rank0 and tr.save):
+    with process_group(cfg) as grid:
+        rank0 = grid.rank == 0
+        warning = None if not data.truncated else (
+            f"warning: {data.truncated} example(s) longer than training.seq_length + 1 = {tr.seq_length + 1} tokens "
+            f"were truncated ({data.emptied} of them lost every response token and train nothing); raise "
+            f"training.seq_length to keep them whole")
+        start_run(cfg, grid, f"zoo fine-tune of {tr.init_from}: {model_cfg.num_parameters() / 1e6:.2f}M parameters | "
+                             f"tp={grid.tp} pp={grid.pp} dp={grid.dp} zero={cfg.parallel.zero_stage} | global batch "
+                             f"{cfg.global_batch_size} x {tr.seq_length} tokens | {tr.precision} | {data.summary()}",
+                  warning)
+        result = train_and_save(cfg, model_cfg, grid, Data(data.train, data.valid, cfg.data.tokenizer),
+                                resume=resume, universal=universal)
+        if rank0 and result.val_losses:
+            say(loss_change(result.val_losses, "validation loss (response tokens)"))
+    if not (rank0 and tr.save):
         return 0
     tokenizer = load_tokenizer(out / "model")
     try:
@@ -197,3 +156,7 @@ def main(argv=None) -> int:
         say(f"sample (greedy) for the first {which} prompt: {tokenizer.decode(data.sample_prompt)!r} -> "
             f"{completion!r}")
     return 0
+
+
+def main(argv=None) -> int:
+    return command(parse_args(argv), plan, run, errors=(InstructError,))

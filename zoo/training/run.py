@@ -1,0 +1,120 @@
+"""What every run command does around the loop: ``launch/train.py`` (``zoo.training.train.main``) and the
+fine-tuning commands (``zoo.finetune``).
+
+A command parses its flags (:class:`RunParser`: the layout, steps, intervals, resume and ``--set`` flags they all
+take), then (:func:`command`) plans: it checks everything it can before any process group exists, and a bad
+input is one ``error: ...`` line, exit status 2, nothing written. Then it runs, inside :func:`process_group`:
+announces the run and writes its config (:func:`start_run`), trains and exports the layout-free model
+(:func:`train_and_save`), and reports the validation loss it reached (:func:`loss_change`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import yaml
+
+from zoo.training.checkpoint import ResumeError
+from zoo.training.config import ConfigError, RunConfig
+
+
+class RunParser(argparse.ArgumentParser):
+    """The argument parser of a run command: its description says what it does, where it runs, then ``more``;
+    :meth:`add_run_flags` adds the flags every run command shares; ``parse_args`` leaves out what a launcher adds."""
+
+    def __init__(self, prog: str, what: str, more: str):
+        super().__init__(prog=prog, description=f"{what} Works in one process, under torchrun and under the deepspeed "
+                                                f"launcher; data parallelism is world_size / (tp x pp). {more}")
+
+    def add_run_flags(self, *, eval_help: str = "validation loss", load_help: str = "") -> None:
+        """Layout, steps, intervals, resume, --set."""
+        self.add_argument("--tp", type=int, help="tensor-parallel size")
+        self.add_argument("--pp", type=int, help="pipeline-parallel size")
+        self.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (pp > 1 allows 0 or 1)")
+        self.add_argument("--steps", type=int, help="number of optimizer steps (the run's total, also when resuming)")
+        self.add_argument("--eval-interval", type=int, metavar="N",
+                          help=f"{eval_help} every N steps (also before step 1 and at the end); 0: never")
+        self.add_argument("--save-interval", type=int, metavar="N",
+                          help="checkpoint every N steps into OUT/checkpoints (the last step is always saved)")
+        self.add_argument("--load", metavar="DIR",
+                          help="resume from a run folder (or its checkpoints/ folder)" + load_help +
+                               ". Without --load, a run resumes from OUT/checkpoints when that exists")
+        self.add_argument("--load-step", type=int, metavar="N", help="with --load: that step instead of the latest")
+        self.add_argument("--set", nargs="+", action="extend", default=[], metavar="SECTION.KEY=VALUE",
+                          help="override any config field, e.g. --set training.lr=3e-4 training.micro_batch_size=8")
+
+    def parse_args(self, args=None, namespace=None) -> argparse.Namespace:
+        known, _unknown = self.parse_known_args(args, namespace)  # the deepspeed launcher adds --local_rank=N
+        return known
+
+
+def command(args, plan, run, errors: tuple = ()) -> int:
+    """A run command's main. ``plan(args, world_size)`` checks everything that can be checked before any process
+    group exists and returns the arguments of ``run(args, *planned)``, which does the work and returns the exit
+    status. A bad input that ``plan`` finds (a ConfigError, a ResumeError or one of ``errors``) is refused: one
+    ``error: ...`` line on stderr from global rank 0, exit status 2, nothing written."""
+    try:
+        planned = plan(args, int(os.environ.get("WORLD_SIZE", "1")))
+    except (ConfigError, ResumeError, *errors) as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    return run(args, *planned)
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+@contextmanager
+def process_group(cfg: RunConfig):
+    """The (tp, pp) grid of the run, torn down on the way out (also after an error)."""
+    from zoo.parallel.topology import destroy_model_parallel, initialize_model_parallel
+
+    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp)
+    try:
+        yield grid
+    finally:
+        destroy_model_parallel()
+
+
+def start_run(cfg: RunConfig, grid, banner: str, warning: str | None = None) -> None:
+    """Global rank 0: the run's first line (and a warning on stderr), then ``<out>/config.yaml``, the run config
+    as resolved."""
+    if grid.rank != 0:
+        return
+    say(banner)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def train_and_save(cfg: RunConfig, model_cfg, grid, data, *, resume=None, universal: bool = False):
+    """``zoo.training.train.train`` to ``training.steps`` with a progress bar, then (``training.save``) the model as
+    ``<out>/model`` (``io.save_model``: every rank's slices, layout-free, with ``data.tokenizer_dir``'s tokenizer).
+    The engine is destroyed; returns the ``RunResult`` (losses, validation losses) without it."""
+    from zoo.convert.io import save_model
+    from zoo.training.train import destroy_engine, train
+
+    result = train(cfg, model_cfg, grid, log=say, resume=resume, universal=universal, data=data, keep_engine=True,
+                   progress=True)
+    engine, result.engine = result.engine, None
+    if cfg.training.save:
+        save_model(Path(cfg.out) / "model", engine.module, grid, cfg.model.family, model_cfg.to_dict(),
+                   tokenizer_dir=data.tokenizer_dir)
+    destroy_engine(engine)
+    return result
+
+
+def loss_change(val_losses: list, what: str = "validation loss", share: bool = False) -> str:
+    """``"<what> <first> (step s0) -> <last> (step s1)"`` of ``(step, loss)`` pairs, with ``share``: ", N% of the
+    first"."""
+    (s0, v0), (s1, v1) = val_losses[0], val_losses[-1]
+    line = f"{what} {v0:.3f} (step {s0}) -> {v1:.3f} (step {s1})"
+    return line + (f", {100 * v1 / v0:.0f}% of the first" if share else "")
