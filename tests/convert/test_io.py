@@ -197,3 +197,65 @@ def test_sharded_writer_copies_by_hand_where_the_kernel_cannot(tmp_path, monkeyp
     assert flaky.calls == 1
     assert (tmp_path / "kernel" / "model-00001.safetensors").read_bytes() == \
         (tmp_path / "by-hand" / "model-00001.safetensors").read_bytes()
+
+
+def build_moe(ep, seed=7):
+    """tiny-moe (with the balancing bias) at dp = ep = world size, tp = pp = 1: (module, grid-like, config, ep group)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from zoo.models.gpt import GPTConfig, ParallelOptions, layer_specs
+    from zoo.models.specs import SpecSequential
+    from zoo.parallel.topology import initialize_model_parallel
+
+    cfg = GPTConfig.from_preset("tiny-moe", vocab_size=500, moe_expert_bias=True)
+    grid = initialize_model_parallel(1, 1)
+    ep_group = dist.new_group(list(range(dist.get_world_size()))) if ep > 1 else None
+    module = SpecSequential(layer_specs(cfg, ParallelOptions(ep_group=ep_group)), base_seed=seed)
+    with torch.no_grad():  # a bias the seed does not give (the buffer starts at zero)
+        for name, buf in module.named_buffers():
+            if name.endswith("expert_bias"):
+                buf.copy_(torch.linspace(-1, 1, buf.numel()) + seed)
+    view = SimpleNamespace(tp_group=grid.tp_group, dp_rank=grid.dp_rank, pp_rank=grid.pp_rank, ep_group=ep_group)
+    return module, view, cfg, ep_group
+
+
+def moe_save_case(ep, folder):
+    module, view, cfg, _ = build_moe(ep)
+    save_model(folder, module, view, "gpt", cfg.to_dict())
+    return True
+
+
+def moe_load_case(ep, folder):
+    """Load into ep ranks (another seed), return this rank's experts and bias, and write the folder back out."""
+    module, view, cfg, ep_group = build_moe(ep, seed=99)
+    load_model(folder, module, view.tp_group, ep_group)
+    save_model(folder + "-again", module, view, "gpt", cfg.to_dict())
+    return {n: t.detach().clone() for n, t in module.state_dict().items() if "experts" in n or "expert_bias" in n}
+
+
+def test_moe_experts_are_saved_whole_and_loaded_per_expert_parallel_rank(tmp_path, dist_run):
+    folder = str(tmp_path / "moe")
+    dist_run(2, moe_save_case, 2, folder)  # written from ep=2: every expert gathered
+    ref_module, _, _, _ = build_moe(1)
+    expected = {n: t.detach() for n, t in ref_module.state_dict().items()}
+    saved = dict(iter_tensors(folder))
+    assert sorted(saved) == sorted(expected)
+    for name, value in saved.items():  # the ep=2 model is the ep=1 model with its experts split: equal bit for bit
+        rows = value.shape[0]
+        assert torch.equal(value, expected[name][:rows]), name
+    assert any(n.endswith("expert_bias") for n in saved) and any("experts.gate_up_proj" in n for n in saved)
+    for rank, local in enumerate(dist_run(2, moe_load_case, 2, folder)):
+        for name, value in local.items():
+            full = saved[name]
+            if "experts." in name:  # rank r holds experts [r E/2, (r+1) E/2)
+                n = full.shape[0] // 2
+                assert torch.equal(value, full[rank * n:(rank + 1) * n]), name
+            else:
+                assert torch.equal(value, full), name
+    again = dict(iter_tensors(folder + "-again"))
+    assert sorted(again) == sorted(saved) and all(torch.equal(again[n], saved[n]) for n in saved)
+    dist_run(1, moe_load_case, 1, folder)  # and into one process: every expert
+    again = dict(iter_tensors(folder + "-again"))
+    assert all(torch.equal(again[n], saved[n]) for n in saved)

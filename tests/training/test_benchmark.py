@@ -38,3 +38,25 @@ def test_benchmark_tiny_both_styles(tmp_path, capsys):
         for r in impls.values():
             assert r["tokens_per_s"] > 0 and r["tokens_per_step"] == 2 * 16 and len(r["step_times_s"]) == 2
             assert r["params"] == style["zoo_params"]
+
+
+def test_benchmark_tiny_moe_against_mixtral(tmp_path, capsys):
+    import torch
+
+    out_json = tmp_path / "bench.json"
+    rc = main(["--style", "moe", "--hidden-size", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
+               "--experts", "4", "--experts-per-token", "2", "--seq-length", "16", "--batch-size", "2",
+               "--vocab-size", "256", "--steps", "2", "--warmup", "1", "--threads", "1", "--no-memory",
+               "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    grouped = hasattr(torch.nn.functional, "grouped_mm")  # transformers' grouped_mm experts run where torch has it
+    line = r"^moe: zoo \d+ tok/s, transformers \d+ tok/s, ratio \d+\.\d+" + (
+        r", transformers-grouped_mm \d+ tok/s \(ratio \d+\.\d+\)" if grouped else "") + "$"
+    assert re.search(line, out, re.MULTILINE), out
+    style = json.loads(out_json.read_text())["styles"][0]
+    assert style["style"] == "moe" and style["config"]["num_experts"] == 4
+    assert style["zoo_params"] == style["transformers_params"] > 0  # the same Mixtral, counted by both
+    impls = {r["impl"] for r in style["results"]}
+    assert impls == {"zoo", "transformers"} | ({"transformers-grouped_mm"} if grouped else set())
+    assert all(r["tokens_per_s"] > 0 for r in style["results"])

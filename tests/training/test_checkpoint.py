@@ -96,8 +96,10 @@ def test_sigkill_after_checkpoint_then_resume_is_exact(dist_run, tmp_path):
 
 
 def test_tp2_checkpoint_resumes_at_tp1_pp2(dist_run, tmp_path):
-    """Saved at tp=2 (ZeRO-1), resumed at tp=1 x pp=2 through DeepSpeed's universal checkpoint."""
-    for model, extra in [("gpt2", []), ("llama", ["model.preset=tiny-llama"])]:
+    """Saved at tp=2 (ZeRO-1), resumed at tp=1 x pp=2 through DeepSpeed's universal checkpoint; the MoE models
+    (experts and router whole on every TP rank; all MoE layers, or dense and MoE mixed with a shared expert) too."""
+    for model, extra in [("gpt2", []), ("llama", ["model.preset=tiny-llama"]), ("moe", ["model.preset=tiny-moe"]),
+                         ("moe-shared", ["model.preset=tiny-moe-shared"])]:
         out = str(tmp_path / model)
         base = extra + ["parallel.zero_stage=1", "training.steps=4"]
         uninterrupted = dist_run(2, run_case, base + ["parallel.tp=2", "training.save_interval=3"], out)[0]

@@ -2,13 +2,18 @@
 
     python launch/benchmark.py                                   # both styles, small CPU-sized models
     python launch/benchmark.py --style llama --steps 20
+    python launch/benchmark.py --style moe                       # Mixtral-like mixture of experts
     python launch/benchmark.py --preset gpt2-124m --dtype bf16 --batch-size 8 --seq-length 1024   # on a GPU
 
 For each style the two models have the same shape and parameter count:
 
 - GPT-2 style: zoo's learned-position / LayerNorm / GELU(tanh) / biased / tied model against ``GPT2LMHeadModel``
   (``activation_function="gelu_new"``, every dropout 0);
-- Llama style: zoo's RoPE / RMSNorm / SwiGLU / bias-free / GQA model against ``LlamaForCausalLM``.
+- Llama style: zoo's RoPE / RMSNorm / SwiGLU / bias-free / GQA model against ``LlamaForCausalLM``;
+- MoE style: the Llama style with every MLP a mixture of ``--experts`` SwiGLU experts, top-``--experts-per-token``
+  softmax routing renormalised (Mixtral's), against ``MixtralForCausalLM`` with its default (eager) experts, and
+  again with transformers' ``grouped_mm`` experts implementation where torch has ``grouped_mm`` (CPU too).
+  Router losses are off on both sides (same work); FLOPs count the active experts only.
 
 Both train on the same batch ``[b, s]`` (inputs and next-token labels of one random token sequence), with the same
 dtype (parameters cast to it; fp32 on CPU), the same optimizer (``torch.optim.AdamW``, torch's default
@@ -40,10 +45,11 @@ from pathlib import Path
 
 import torch
 
-STYLES = ("gpt2", "llama")
+STYLES = ("gpt2", "llama", "moe")  # "both": gpt2 and llama
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # The CPU-sized default model (both styles): under a minute for everything on 2 idle cores, a few when shared.
 DEFAULT_SIZE = dict(hidden_size=256, layers=4, heads=4, seq_length=256, batch_size=4, vocab_size=8192)
+DEFAULT_EXPERTS, DEFAULT_EXPERTS_PER_TOKEN = 8, 2
 PRESET_SEQ_LENGTH, PRESET_BATCH_SIZE = 1024, 8
 
 
@@ -61,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "size, batch, dtype and optimizer, in one process.",
     )
     p.add_argument("--style", choices=[*STYLES, "both"], default=None,
-                   help="model style (default: both; with --preset, the preset's style)")
+                   help="model style (default: both = gpt2 and llama; with --preset, the preset's style)")
     p.add_argument("--preset", help="a zoo GPT preset (e.g. gpt2-124m, llama-1b); size flags override its fields. "
                                     f"Default batch/seq with a preset: {PRESET_BATCH_SIZE} x {PRESET_SEQ_LENGTH}")
     p.add_argument("--hidden-size", type=int, help=f"hidden size (default {DEFAULT_SIZE['hidden_size']})")
@@ -71,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "grouped-query attention; GPT-2 is multi-head)")
     p.add_argument("--intermediate-size", type=int, help="MLP size, Llama style only (default: 2.75 h rounded up "
                                                          "to a multiple of 64; GPT-2 style uses 4 h)")
+    p.add_argument("--experts", type=int, help=f"MoE style: experts per layer (default {DEFAULT_EXPERTS})")
+    p.add_argument("--experts-per-token", type=int,
+                   help=f"MoE style: experts each token is routed to (default {DEFAULT_EXPERTS_PER_TOKEN})")
     p.add_argument("--seq-length", type=int, help=f"tokens per sequence (default {DEFAULT_SIZE['seq_length']})")
     p.add_argument("--batch-size", type=int, help=f"sequences per step (default {DEFAULT_SIZE['batch_size']})")
     p.add_argument("--vocab-size", type=int, help=f"vocabulary (default {DEFAULT_SIZE['vocab_size']}; a multiple of "
@@ -93,11 +102,26 @@ def build_parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _mixtral_like(cfg) -> bool:
+    """Every MLP a routed mixture (softmax, renormalised top-k), nothing Mixtral lacks."""
+    return (all(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) and cfg.scoring_func == "softmax"
+            and cfg.norm_topk_prob and cfg.routed_scaling_factor == 1.0 and cfg.n_group == 1
+            and cfg.num_shared_experts == 0 and not cfg.moe_expert_bias and cfg.capacity_factor is None
+            and cfg.qk_norm is None and not cfg.use_qkv_bias
+            and cfg.head_dim == cfg.hidden_size // cfg.num_attention_heads)
+
+
 def style_of(cfg) -> str:
-    """'gpt2' or 'llama' for the two canonical feature sets; a mix has no transformers twin."""
+    """'gpt2', 'llama' or 'moe' (Mixtral) for the canonical feature sets; a mix has no transformers twin."""
     gpt2 = ("learned", "layernorm", "gelu", True)
     llama = ("rope", "rmsnorm", "swiglu", False)
     features = (cfg.position_embedding_type, cfg.normalization, cfg.activation, cfg.add_bias)
+    if cfg.num_experts > 0:
+        if features == llama and _mixtral_like(cfg):
+            return "moe"
+        raise ValueError("the benchmark's MoE style is Mixtral's (Llama blocks, every MLP routed, softmax top-k "
+                         "renormalised, no shared experts, groups, bias or capacity); transformers' "
+                         "MixtralForCausalLM has no twin of this model")
     if features == gpt2 and cfg.num_key_value_heads == cfg.num_attention_heads and cfg.tie_word_embeddings:
         return "gpt2"
     if features == llama:
@@ -123,11 +147,18 @@ def zoo_config(style: str, args):
             value = DEFAULT_SIZE[flag]
         if value is not None:
             overrides[name] = value
+    if style == "moe":
+        overrides.update(router_aux_loss_coef=0.0, router_z_loss_coef=0.0)  # as MixtralForCausalLM's default forward
+        for flag, name, default in (("experts", "num_experts", DEFAULT_EXPERTS),
+                                    ("experts_per_token", "num_experts_per_tok", DEFAULT_EXPERTS_PER_TOKEN)):
+            value = getattr(args, flag)
+            if value is not None or args.preset is None:
+                overrides[name] = default if value is None else value
     if args.preset is None:
-        base = "tiny" if style == "gpt2" else "tiny-llama"
+        base = {"gpt2": "tiny", "llama": "tiny-llama", "moe": "tiny-moe"}[style]
         seq = args.seq_length or DEFAULT_SIZE["seq_length"]
         overrides["max_position_embeddings"] = seq
-        if style == "llama":
+        if style in ("llama", "moe"):
             heads = overrides["num_attention_heads"]
             overrides["num_key_value_heads"] = args.kv_heads or (heads // 2 if heads % 2 == 0 else heads)
             overrides["intermediate_size"] = args.intermediate_size or _llama_intermediate(overrides["hidden_size"])
@@ -136,7 +167,7 @@ def zoo_config(style: str, args):
             overrides["intermediate_size"] = 4 * overrides["hidden_size"]
     else:
         base = args.preset
-        if style == "llama":
+        if style in ("llama", "moe"):
             if args.kv_heads is not None:
                 overrides["num_key_value_heads"] = args.kv_heads
             if args.intermediate_size is not None:
@@ -153,9 +184,9 @@ def zoo_config(style: str, args):
     return cfg
 
 
-def hf_config(cfg):
+def hf_config(cfg, experts_implementation: str | None = None):
     """The transformers config of the same model (same shape, eps, RoPE, tying; no dropout, no KV cache, sdpa)."""
-    from transformers import GPT2Config, LlamaConfig
+    from transformers import GPT2Config, LlamaConfig, MixtralConfig
 
     special = dict(bos_token_id=cfg.vocab_size - 1, eos_token_id=cfg.vocab_size - 1)
     if style_of(cfg) == "gpt2":
@@ -170,6 +201,19 @@ def hf_config(cfg):
         if cfg.rope_scaling is not None:
             rope = dict(cfg.rope_scaling)
             rope["rope_type"] = rope.pop("type", None) or rope["rope_type"]
+    if style_of(cfg) == "moe":
+        hf = MixtralConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                           intermediate_size=cfg.expert_intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
+                           num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+                           max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.norm_eps,
+                           rope_parameters={**rope, "rope_theta": cfg.rope_theta}, sliding_window=None,
+                           num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                           output_router_logits=False, router_aux_loss_coef=0.0, router_jitter_noise=0.0,
+                           tie_word_embeddings=cfg.tie_word_embeddings, attention_dropout=0.0,
+                           initializer_range=cfg.initializer_range, use_cache=False, **special)
+        if experts_implementation is not None:
+            hf._experts_implementation = experts_implementation
+    elif style_of(cfg) == "llama":
         hf = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
                          intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
                          num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
@@ -241,12 +285,12 @@ def build_zoo(cfg, device, dtype, seed: int, lr: float) -> Trainee:
     return Trainee("zoo", model, lambda ids, labels: loss_fn(model(ids), labels), lr)
 
 
-def build_hf(cfg, device, dtype, seed: int, lr: float) -> Trainee:
-    from transformers import GPT2LMHeadModel, LlamaForCausalLM
+def build_hf(cfg, device, dtype, seed: int, lr: float, experts_implementation: str | None = None) -> Trainee:
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM
 
-    hf_cfg = hf_config(cfg)
+    hf_cfg = hf_config(cfg, experts_implementation)
     torch.manual_seed(seed)
-    cls = GPT2LMHeadModel if style_of(cfg) == "gpt2" else LlamaForCausalLM
+    cls = {"gpt2": GPT2LMHeadModel, "llama": LlamaForCausalLM, "moe": MixtralForCausalLM}[style_of(cfg)]
     model = cls(hf_cfg).to(device=device, dtype=dtype).train()
     model.loss_type = "ForCausalLM"  # what it falls back to anyway, without a warning
     if model.config._attn_implementation != "sdpa":
@@ -255,7 +299,8 @@ def build_hf(cfg, device, dtype, seed: int, lr: float) -> Trainee:
     def loss_of(ids, labels):  # labels are already the next tokens: no shift inside HF's loss
         return model(input_ids=ids, labels=labels, shift_labels=labels, use_cache=False).loss
 
-    return Trainee("transformers", model, loss_of, lr)
+    impl = "transformers" if experts_implementation is None else f"transformers-{experts_implementation}"
+    return Trainee(impl, model, loss_of, lr)
 
 
 def hf_num_parameters(model: torch.nn.Module) -> int:
@@ -369,8 +414,10 @@ def benchmark_style(style: str, args, accel, device, dtype, log) -> StyleReport:
     report = StyleReport(style, cfg.to_dict(), cfg.num_parameters(), sum(p.numel() for p in zoo.model.parameters()),
                          hf_num_parameters(hf.model))
     padded = cfg.padded_vocab_size()
+    experts = (f" experts={cfg.num_experts} top-{cfg.num_experts_per_tok} ({cfg.num_parameters(active=True):,} "
+               f"active parameters)" if cfg.num_experts else "")
     log(f"{style}: h={cfg.hidden_size} layers={cfg.num_hidden_layers} heads={cfg.num_attention_heads}/"
-        f"{cfg.num_key_value_heads} (q/kv) ffn={cfg.intermediate_size} vocab={cfg.vocab_size}"
+        f"{cfg.num_key_value_heads} (q/kv) ffn={cfg.intermediate_size}{experts} vocab={cfg.vocab_size}"
         + (f" (zoo pads to {padded})" if padded != cfg.vocab_size else "")
         + f" tied={cfg.tie_word_embeddings}, batch [{b}, {s}] = {b * s} tokens/step | parameters: "
           f"zoo {report.zoo_params:,} (cfg.num_parameters()), transformers {report.hf_params:,}"
@@ -385,6 +432,8 @@ def benchmark_style(style: str, args, accel, device, dtype, log) -> StyleReport:
     ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     trainees = [zoo, hf]
+    if style == "moe" and hasattr(torch.nn.functional, "grouped_mm"):  # transformers' fused-experts path
+        trainees.append(build_hf(cfg, device, dtype, args.seed, args.lr, experts_implementation="grouped_mm"))
     run_interleaved(trainees, ids, labels, accel, args.warmup, args.steps)
     memory = {t.impl: None if args.no_memory else step_peak_memory_gb(t, ids, labels, accel) for t in trainees}
 
@@ -397,7 +446,7 @@ def benchmark_style(style: str, args, accel, device, dtype, log) -> StyleReport:
         if not all(math.isfinite(x) for x in t.losses):
             raise FloatingPointError(f"{style}/{t.impl}: non-finite loss {t.losses}")
         report.results.append(Result(
-            style, t.impl, report.hf_params if t.impl == "transformers" else report.zoo_params, b * s, median,
+            style, t.impl, report.hf_params if t.impl.startswith("transformers") else report.zoo_params, b * s, median,
             statistics.median(t.cpu_times), tok_s, tflops, None if peak is None else tflops / peak, memory[t.impl],
             t.losses[0], t.losses[-1], list(t.step_times)))
     return report
@@ -427,14 +476,16 @@ def format_table(results: list[Result]) -> str:
 
 def summary_line(report: StyleReport) -> str:
     zoo, hf = (next(r for r in report.results if r.impl == impl) for impl in ("zoo", "transformers"))
+    extra = "".join(f", {r.impl} {r.tokens_per_s:.0f} tok/s (ratio {zoo.tokens_per_s / r.tokens_per_s:.2f})"
+                    for r in report.results if r.impl.startswith("transformers-"))
     return (f"{report.style}: zoo {zoo.tokens_per_s:.0f} tok/s, transformers {hf.tokens_per_s:.0f} tok/s, "
-            f"ratio {report.ratio:.2f}")
+            f"ratio {report.ratio:.2f}{extra}")
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     for name in ("steps", "warmup", "threads", "hidden_size", "layers", "heads", "kv_heads", "intermediate_size",
-                 "seq_length", "batch_size", "vocab_size"):
+                 "seq_length", "batch_size", "vocab_size", "experts", "experts_per_token"):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "warmup" else 1):
             print(f"error: --{name.replace('_', '-')} must be {'>= 0' if name == 'warmup' else 'positive'}, "
@@ -459,7 +510,7 @@ def main(argv=None) -> int:
             return 2
         styles = [preset_style]
     else:
-        styles = list(STYLES) if args.style in (None, "both") else [args.style]
+        styles = ["gpt2", "llama"] if args.style in (None, "both") else [args.style]
 
     accel = get_accelerator()
     device = torch.device(accel.current_device_name())

@@ -379,12 +379,20 @@ def _gathered(param: torch.Tensor):
     return nullcontext()
 
 
-def full_param(param: torch.Tensor, tp_group) -> torch.Tensor:
-    """The tp=1, unpadded value of a parameter (collective over ``tp_group`` for sharded ones)."""
+def is_expert_parallel(param: torch.Tensor) -> bool:
+    """An MoE expert tensor: this rank holds the experts of its expert-parallel rank along dimension 0."""
+    return bool(getattr(param, "expert_parallel", False))
+
+
+def full_param(param: torch.Tensor, tp_group, ep_group=None) -> torch.Tensor:
+    """The tp=1, ep=1, unpadded value of a parameter (collective over ``tp_group`` for sharded ones, over
+    ``ep_group`` for experts)."""
     with _gathered(param):
         data = param.data
         if is_sharded(param):
             data = full_tensor(data, param.partition_dim, getattr(param, "partition_stride", 1), tp_group)
+        elif is_expert_parallel(param):
+            data = full_tensor(data, 0, 1, ep_group)  # rank r holds experts [r E/ep, (r+1) E/ep)
         else:
             data = data.detach().clone()
     rows = getattr(param, "unpadded_size", None)
@@ -400,6 +408,7 @@ def save_model(folder: str | os.PathLike, module: torch.nn.Module, grid, family:
     staging = staging_folder(final)
     rank = global_rank()
     tp_group = grid.tp_group if grid is not None else None
+    ep_group = getattr(grid, "ep_group", None)
     tp_rank = group_rank_and_size(tp_group)[0]
     dp_rank = grid.dp_rank if grid is not None else 0
     pp_rank = grid.pp_rank if grid is not None else 0
@@ -408,15 +417,16 @@ def save_model(folder: str | os.PathLike, module: torch.nn.Module, grid, family:
         staging.mkdir(parents=True)
     barrier()
     # A tensor held by several stages (tied embeddings) is written by the first stage that holds it.
-    names = [n for n, _ in module.named_parameters()]
+    tensors = model_tensors(module)
+    names = list(tensors)
     owner: dict[str, int] = {}
     for stage, stage_names in sorted(gather_objects((pp_rank, names))):
         for n in stage_names:
             owner.setdefault(n, stage)
-    writer_rank = tp_rank == 0 and dp_rank == 0
+    writer_rank = tp_rank == 0 and dp_rank == 0  # data-parallel rank 0 is also expert-parallel rank 0
     writer = ShardedWriter(staging, prefix=f"model-stage{pp_rank:03d}", max_shard_bytes=max_shard_bytes)
-    for name, param in module.named_parameters():
-        full = full_param(param, tp_group)  # collective: every TP (and, for ZeRO-3, DP) rank takes part
+    for name, param in tensors.items():
+        full = full_param(param, tp_group, ep_group)  # collective over TP (ZeRO-3: DP; experts: EP)
         if writer_rank and owner[name] == pp_rank:
             writer.add(name, full if dtype is None else full.to(dtype))
     mapping = writer.close() if writer_rank else {}
@@ -431,12 +441,30 @@ def save_model(folder: str | os.PathLike, module: torch.nn.Module, grid, family:
     return final if rank == 0 else None
 
 
-def _local_slice(handle, key: str, param: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
+def model_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a model folder holds of ``module``: its parameters (each once) and its persistent buffers (an MoE
+    router's balancing bias)."""
+    tensors = dict(module.named_parameters())
+    for name, value in module.state_dict(keep_vars=True).items():
+        if not isinstance(value, torch.nn.Parameter) and name not in tensors:
+            tensors[name] = value
+    return tensors
+
+
+def _local_slice(handle, key: str, param: torch.Tensor, tp_rank: int, tp: int, ep_rank: int = 0,
+                 ep: int = 1) -> torch.Tensor:
     """Read the part of stored tensor ``key`` that this rank's ``param`` holds (only those bytes)."""
     sl = handle.get_slice(key)
     stored = tuple(sl.get_shape())
     expected = list(param.shape)
     rows = getattr(param, "unpadded_size", None)
+    if is_expert_parallel(param):
+        local = param.shape[0]
+        expected[0] = local * ep
+        if tuple(expected) != stored:
+            raise CheckpointError(f"tensor {key}: checkpoint has shape {stored}, the model expects {tuple(expected)} "
+                                  f"(all {local * ep} experts)")
+        return sl[ep_rank * local:(ep_rank + 1) * local]
     if not is_sharded(param):
         if rows is not None:
             expected[0] = rows
@@ -465,16 +493,18 @@ def _local_slice(handle, key: str, param: torch.Tensor, tp_rank: int, tp: int) -
     return torch.cat(pieces, dim=dim)
 
 
-def load_model(folder: str | os.PathLike, module: torch.nn.Module, tp_group=None) -> None:
-    """Fill ``module``'s parameters (this rank's shards, this stage's layers) from a zoo model folder.
+def load_model(folder: str | os.PathLike, module: torch.nn.Module, tp_group=None, ep_group=None) -> None:
+    """Fill ``module``'s parameters and persistent buffers (this rank's shards and experts, this stage's layers)
+    from a zoo model folder.
 
-    Call it on the built module before ``deepspeed.initialize``. Every parameter must be in the folder with the
-    right full shape; tensors of other pipeline stages are simply not read.
+    Call it on the built module before ``deepspeed.initialize``. Every tensor must be in the folder with the
+    right full shape; tensors of other pipeline stages, and experts of other expert-parallel ranks, are not read.
     """
     folder = Path(folder)
     mapping = weight_map(folder)
     tp_rank, tp = group_rank_and_size(tp_group)
-    params = dict(module.named_parameters())
+    ep_rank, ep = group_rank_and_size(ep_group)
+    params = model_tensors(module)
     missing = sorted(set(params) - set(mapping))
     if missing:
         raise CheckpointError(f"{folder} lacks {len(missing)} tensor(s) this model needs, e.g. {missing[:3]}; "
@@ -487,5 +517,5 @@ def load_model(folder: str | os.PathLike, module: torch.nn.Module, tp_group=None
             with safe_open(folder / fname, "pt") as f:
                 for name in names:
                     param = params[name]
-                    value = _local_slice(f, name, param, tp_rank, tp)
+                    value = _local_slice(f, name, param, tp_rank, tp, ep_rank, ep)
                     param.copy_(value.to(param.dtype))

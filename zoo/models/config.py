@@ -28,12 +28,16 @@ class TransformerConfig:
         multiple = self.make_vocab_size_divisible_by * tp
         return -(-self.vocab_size // multiple) * multiple
 
+    def has_dense_mlp(self) -> bool:
+        """Whether some layer has the dense (TP-split) MLP of width ``intermediate_size``; an MoE model may not."""
+        return True
+
     def check_layout(self, tp: int, pp: int = 1) -> None:
         """One line per problem, before anything is built: which number does not divide which."""
         for name in self.tp_split_heads:
             if getattr(self, name) % tp:
                 raise ValueError(f"{name} {getattr(self, name)} is not divisible by tp {tp}; use a tp that divides it")
-        if self.intermediate_size % tp:
+        if self.has_dense_mlp() and self.intermediate_size % tp:
             raise ValueError(f"intermediate_size {self.intermediate_size} is not divisible by tp {tp}")
         if self.num_hidden_layers < pp:
             raise ValueError(f"num_hidden_layers {self.num_hidden_layers} is smaller than pp {pp}; "

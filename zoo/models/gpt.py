@@ -3,6 +3,9 @@
 GPT-2 (Radford et al. 2019): learned positions, LayerNorm, GELU (tanh), biases, tied embeddings.
 Llama (Touvron et al. 2023): rotary positions (RoPE, Su et al. 2021, with linear or Llama-3 frequency scaling),
 RMSNorm, SwiGLU (Shazeer 2020), no biases, grouped-query attention (Ainslie et al. 2023), tied or untied head.
+Options on top: q/k biases (Qwen2), q/k RMSNorm per head (Qwen3) or over the projection (OLMoE), a head dim other
+than h / heads, and mixture-of-experts MLPs in some or all blocks (Mixtral, Qwen-MoE, OLMoE, DeepSeek routing;
+:mod:`zoo.models.moe`).
 
 Parallel plan (Megatron-LM, arXiv 1909.08053): fused QKV and MLP fc1 (or gate/up) are column-parallel, the
 attention output and MLP fc2 row-parallel, so a block costs two all-reduces forward; the embedding is
@@ -18,13 +21,14 @@ a ``_local`` suffix means "this TP rank's share".
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
 import torch
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
+from zoo.models.moe import GPTMoE
 from zoo.models.config import TransformerConfig
 from zoo.parallel.cross_entropy import vocab_parallel_cross_entropy
 from zoo.parallel.layers import (
@@ -34,8 +38,10 @@ from zoo.parallel.layers import (
     divide,
     init_method_normal,
     scaled_init_method_normal,
+    set_tensor_model_parallel_attributes,
 )
 from zoo.parallel.mappings import (
+    all_reduce_tensor_model_parallel_region,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
@@ -53,6 +59,7 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
     num_hidden_layers: int = 12
     num_attention_heads: int = 12
     num_key_value_heads: int | None = None  # None: = num_attention_heads (multi-head attention)
+    head_dim: int | None = None  # None: hidden_size / num_attention_heads (Qwen3 sets it apart)
     intermediate_size: int | None = None  # Megatron: ffn_hidden_size. None: 4h (GELU)
     max_position_embeddings: int = 1024
     position_embedding_type: str = "learned"  # "learned" (GPT-2) | "rope" (Llama)
@@ -68,12 +75,37 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     make_vocab_size_divisible_by: int = 128  # Megatron: the padded vocabulary is a multiple of this x tp
+    qk_norm: str | None = None  # RMSNorm of q and k before RoPE: "head" (Qwen3, over each head) | "full" (OLMoE)
+    # Mixture of experts (zoo.models.moe; HF names). Defaults: a dense model. Which layers: is_moe_layer().
+    num_experts: int = 0  # Mixtral: num_local_experts; DeepSeek: n_routed_experts. 0: dense
+    num_experts_per_tok: int = 2  # top-k
+    moe_intermediate_size: int | None = None  # per expert; None: intermediate_size (Mixtral)
+    first_k_dense_replace: int = 0  # DeepSeek: the first k layers stay dense
+    decoder_sparse_step: int = 1  # Qwen: layer i is sparse when (i + 1) % step == 0
+    mlp_only_layers: list[int] = field(default_factory=list)  # Qwen: layers forced dense
+    num_shared_experts: int = 0  # DeepSeek: n_shared_experts (one MLP of their summed width); Qwen2-MoE: 1
+    shared_expert_intermediate_size: int | None = None  # None: num_shared_experts * moe_intermediate_size
+    shared_expert_gate: bool = False  # Qwen2-MoE: shared(x) * sigmoid(x . w_gate)
+    scoring_func: str = "softmax"  # "softmax" | "sigmoid" (DeepSeek-V3)
+    norm_topk_prob: bool = True  # renormalise the k selected scores to sum to 1
+    routed_scaling_factor: float = 1.0  # DeepSeek: routed weights times this
+    n_group: int = 1  # DeepSeek group-limited routing: experts in n_group groups,
+    topk_group: int = 1  # tokens choose among the best topk_group groups
+    moe_expert_bias: bool = False  # DeepSeek-V3 aux-loss-free balancing (e_score_correction_bias)
+    expert_bias_update_rate: float = 1e-3
+    # Per MoE layer: coef * E * sum_e f_e P_e (1 when uniform; HF's Mixtral loss is k times that, over all layers).
+    router_aux_loss_coef: float = 0.0
+    router_aux_loss_type: str = "global"  # "global": over the layer call's tokens | "seq": per sequence (DeepSeek)
+    router_z_loss_coef: float = 0.0  # ST-MoE: coef * mean(logsumexp(logits)^2)
+    capacity_factor: float | None = None  # None: dropless; else ceil(cf * tokens * k / E) per expert and rank
 
     def __post_init__(self):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.intermediate_size is None:
             self.intermediate_size = 4 * self.hidden_size
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads == 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
         self.validate()
 
     def validate(self) -> None:
@@ -86,8 +118,9 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
         need(self.normalization in ("layernorm", "rmsnorm"),
              f"normalization must be 'layernorm' or 'rmsnorm', got {self.normalization!r}")
         need(self.activation in ("gelu", "swiglu"), f"activation must be 'gelu' or 'swiglu', got {self.activation!r}")
-        need(self.hidden_size % self.num_attention_heads == 0,
-             f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}")
+        need(self.head_dim is not None,
+             f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads} "
+             f"(or set head_dim)")
         need(self.num_attention_heads % self.num_key_value_heads == 0,
              f"num_attention_heads {self.num_attention_heads} is not divisible by num_key_value_heads "
              f"{self.num_key_value_heads}")
@@ -98,25 +131,82 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             need(kind in ("linear", "llama3"), f"rope_scaling type must be 'linear' or 'llama3', got {kind!r}")
+        need(self.qk_norm in (None, "head", "full"), f"qk_norm must be null, 'head' or 'full', got {self.qk_norm!r}")
+        self._validate_moe(need)
+
+    def _validate_moe(self, need) -> None:
+        E, k = self.num_experts, self.num_experts_per_tok
+        need(self.scoring_func in ("softmax", "sigmoid"),
+             f"scoring_func must be 'softmax' or 'sigmoid', got {self.scoring_func!r}")
+        need(self.router_aux_loss_type in ("global", "seq"),
+             f"router_aux_loss_type must be 'global' or 'seq', got {self.router_aux_loss_type!r}")
+        need(E >= 0, f"num_experts must be >= 0 (0: dense), got {E}")
+        need(self.decoder_sparse_step >= 1, f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+        if E == 0:
+            return
+        need(1 <= k <= E, f"num_experts_per_tok (top-k) {k} must be between 1 and num_experts {E}")
+        need(self.n_group >= 1 and E % self.n_group == 0, f"n_group {self.n_group} does not divide num_experts {E}")
+        need(1 <= self.topk_group <= self.n_group, f"topk_group {self.topk_group} must be between 1 and n_group "
+             f"{self.n_group}")
+        need(self.topk_group * (E // self.n_group) >= k,
+             f"topk_group {self.topk_group} groups of {E // self.n_group} experts hold fewer than "
+             f"num_experts_per_tok {k}")
+        need(not self.add_bias, "MoE layers have no biases (as in every HF MoE model): set add_bias=False "
+             "(qkv_bias may stay)")
+        need(self.num_shared_experts >= 0, f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
+        need(self.num_shared_experts > 0 or (self.shared_expert_intermediate_size is None
+                                              and not self.shared_expert_gate),
+             "shared_expert_intermediate_size / shared_expert_gate need num_shared_experts > 0")
+        need(self.capacity_factor is None or self.capacity_factor > 0,
+             f"capacity_factor must be > 0 or null (dropless), got {self.capacity_factor}")
 
     @property
     def use_qkv_bias(self) -> bool:
         """Whether the fused QKV projection has a bias (``qkv_bias``, or ``add_bias`` when that is None)."""
         return self.add_bias if self.qkv_bias is None else self.qkv_bias
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether block i has a mixture of experts (else the dense MLP): DeepSeek's first_k_dense_replace and
+        Qwen's mlp_only_layers / decoder_sparse_step together."""
+        return (self.num_experts > 0 and i >= self.first_k_dense_replace and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
 
-    def num_parameters(self, include_embeddings: bool = True) -> int:
-        """Parameters of the unpadded model (as a HF checkpoint counts them)."""
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.intermediate_size if self.moe_intermediate_size is None else self.moe_intermediate_size
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        if self.shared_expert_intermediate_size is not None:
+            return self.shared_expert_intermediate_size
+        return self.num_shared_experts * self.expert_intermediate_size
+
+    def has_dense_mlp(self) -> bool:
+        return any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    def check_layout(self, tp: int, pp: int = 1, ep: int = 1) -> None:
+        """One line per problem, before anything is built: which number does not divide which."""
+        if ep > 1 and self.num_experts == 0:
+            raise ValueError(f"ep {ep} needs a mixture-of-experts model (num_experts > 0)")
+        if ep > 1 and self.num_experts % ep:
+            raise ValueError(f"num_experts {self.num_experts} is not divisible by ep {ep}; use an ep that divides it")
+        super().check_layout(tp, pp)
+
+    def num_parameters(self, include_embeddings: bool = True, active: bool = False) -> int:
+        """Parameters of the unpadded model (as a HF checkpoint counts them). ``active``: those one token uses,
+        i.e. only ``num_experts_per_tok`` of the routed experts of each MoE layer (router and shared ones in full)."""
         h, f, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
         d, nq, nkv = self.head_dim, self.num_attention_heads, self.num_key_value_heads
         bias = self.add_bias
         norm = h * (2 if self.normalization == "layernorm" else 1)
         attn = h * (nq + 2 * nkv) * d + nq * d * h + self.use_qkv_bias * (nq + 2 * nkv) * d + bias * h
-        mlp = (3 if self.activation == "swiglu" else 2) * h * f + bias * ((2 * f if self.activation == "swiglu" else f) + h)
-        total = L * (attn + mlp + 2 * norm) + norm
+        attn += {None: 0, "head": 2 * d, "full": (nq + nkv) * d}[self.qk_norm]
+        per_h = 3 if self.activation == "swiglu" else 2  # weights per (hidden, intermediate) pair
+        mlp = per_h * h * f + bias * ((2 * f if self.activation == "swiglu" else f) + h)
+        routed = self.num_experts_per_tok if active else self.num_experts
+        moe = (self.num_experts * h + routed * per_h * h * self.expert_intermediate_size
+               + per_h * h * self.shared_intermediate_size + self.shared_expert_gate * h)
+        total = sum(attn + 2 * norm + (moe if self.is_moe_layer(i) else mlp) for i in range(L)) + norm
         if include_embeddings:
             total += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
             if self.position_embedding_type == "learned":
@@ -124,9 +214,15 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
         return total
 
     def to_dict(self) -> dict:
+        """All fields, less the later additions at their defaults (qkv_bias, head_dim = h / heads, qk_norm, the MoE
+        fields), so the configs (and zoo folders) of models without them stay as they were."""
         d = asdict(self)
-        if d["qkv_bias"] is None:  # the default: configs (and zoo folders) of models without it stay as they were
-            del d["qkv_bias"]
+        defaults = {f.name: f.default if f.default_factory is MISSING else f.default_factory() for f in fields(self)}
+        for name in _ADDED_FIELDS:
+            if d[name] == defaults[name]:
+                del d[name]
+        if d["head_dim"] == self.hidden_size // self.num_attention_heads:
+            del d["head_dim"]
         return d
 
     @classmethod
@@ -136,13 +232,26 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
         return cls.from_dict({**PRESETS[name], **overrides})
 
 
+_ADDED_FIELDS = ("qkv_bias", "qk_norm", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                 "first_k_dense_replace", "decoder_sparse_step", "mlp_only_layers", "num_shared_experts",
+                 "shared_expert_intermediate_size", "shared_expert_gate", "scoring_func", "norm_topk_prob",
+                 "routed_scaling_factor", "n_group", "topk_group", "moe_expert_bias", "expert_bias_update_rate",
+                 "router_aux_loss_coef", "router_aux_loss_type", "router_z_loss_coef", "capacity_factor")
+
 _LLAMA = dict(position_embedding_type="rope", normalization="rmsnorm", activation="swiglu", add_bias=False)
+_TINY_LLAMA = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                   intermediate_size=176, max_position_embeddings=128, tie_word_embeddings=False, norm_eps=1e-6,
+                   **_LLAMA)
 PRESETS: dict[str, dict] = {
     # Tests and the laptop run.
     "tiny": dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=128),
-    "tiny-llama": dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                       intermediate_size=176, max_position_embeddings=128, tie_word_embeddings=False, norm_eps=1e-6,
-                       **_LLAMA),
+    "tiny-llama": _TINY_LLAMA,
+    # Mixtral-like: every block 8 experts, top-2 of a softmax, renormalised.
+    "tiny-moe": dict(_TINY_LLAMA, num_experts=8, num_experts_per_tok=2),
+    # Qwen2-MoE-like: narrow experts, not renormalised, a sigmoid-gated shared expert, q/k/v biases; blocks 0, 2 dense.
+    "tiny-moe-shared": dict(_TINY_LLAMA, qkv_bias=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                            num_shared_experts=1, shared_expert_intermediate_size=64, shared_expert_gate=True,
+                            norm_topk_prob=False, decoder_sparse_step=2),
     # GPT-2 family (the shapes of the released checkpoints).
     "gpt2-124m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12),
     "gpt2-355m": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16),
@@ -156,6 +265,18 @@ PRESETS: dict[str, dict] = {
                      tie_word_embeddings=True, **_LLAMA),
     "llama-7b": dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                      intermediate_size=11008, max_position_embeddings=4096, tie_word_embeddings=False, **_LLAMA),
+    # Mixture-of-experts shapes of the released checkpoints (counts checked against transformers in tests/models).
+    # The router loss coefficients are training settings, left at 0.
+    "mixtral-8x7b": dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, intermediate_size=14336, max_position_embeddings=32768,
+                         rope_theta=1e6, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, **_LLAMA),
+    "qwen3-30b-a3b": dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, qk_norm="head", intermediate_size=6144,
+                          max_position_embeddings=40960, rope_theta=1e6, norm_eps=1e-6, tie_word_embeddings=False,
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, **_LLAMA),
+    "olmoe-1b-7b": dict(vocab_size=50304, hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
+                        intermediate_size=1024, max_position_embeddings=4096, qk_norm="full", tie_word_embeddings=False,
+                        num_experts=64, num_experts_per_tok=8, norm_topk_prob=False, **_LLAMA),
 }
 
 
@@ -165,6 +286,7 @@ class ParallelOptions:
 
     sequence_parallel: bool = False
     tp_group: object = field(default=None, repr=False)  # None: the current grid's TP group
+    ep_group: object = field(default=None, repr=False)  # expert parallelism (zoo.models.moe); None: no EP
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -195,6 +317,37 @@ class Norm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return w * x32.to(x.dtype)
+
+
+class QKNorm(nn.Module):
+    """RMSNorm of queries or keys ``[b, n_local, s, d]`` before RoPE, statistics in fp32.
+
+    ``qk_norm="head"`` (Qwen3): over each head's d features, one ``weight`` [d] shared by all heads, replicated
+    (each TP rank holds other heads, so its gradient is summed over TP). ``"full"`` (OLMoE): over all n*d features
+    of the projection, ``weight`` [n*d] sharded over TP like the heads; the sum of squares is all-reduced.
+    """
+
+    def __init__(self, config: GPTConfig, num_heads: int, tp_group):
+        super().__init__()
+        self.kind, self.eps, self.num_heads = config.qk_norm, config.norm_eps, num_heads
+        self.tp_group, self.tp = tp_group, group_rank_and_size(tp_group)[1]
+        d = config.head_dim
+        self.weight = nn.Parameter(torch.ones(d if self.kind == "head" else num_heads // self.tp * d))
+        if self.kind == "full":
+            set_tensor_model_parallel_attributes(self.weight, 0)
+
+    def forward(self, x):
+        x32 = x.float()
+        if self.kind == "head":
+            mean_square = x32.pow(2).mean(-1, keepdim=True)  # [b, n_local, s, 1]
+            w = self.weight if self.tp == 1 else copy_to_tensor_model_parallel_region(self.weight, self.tp_group)
+        else:
+            square_sum = x32.pow(2).sum((1, 3), keepdim=True)  # [b, 1, s, 1], this rank's heads
+            if self.tp > 1:  # every rank's partial sum feeds every rank's heads: all-reduce both ways
+                square_sum = all_reduce_tensor_model_parallel_region(square_sum, self.tp_group)
+            mean_square = square_sum / (self.num_heads * x.shape[-1])
+            w = self.weight.view(x.shape[1], 1, x.shape[-1])  # [n_local, 1, d]
+        return w * (x32 * torch.rsqrt(mean_square + self.eps)).to(x.dtype)
 
 
 def rope_inv_freq(config: GPTConfig) -> torch.Tensor:
@@ -329,6 +482,10 @@ class GPTAttention(nn.Module):
         self.q_per_group = nq // nkv
         self.head_dim = d
         self.sequence_parallel = par.sequence_parallel
+        self.q_norm = self.k_norm = None
+        if config.qk_norm is not None:
+            self.q_norm = QKNorm(config, nq, self.qkv.tp_group)
+            self.k_norm = QKNorm(config, nkv, self.qkv.tp_group)
         self.kv_cache: KVCache | None = None  # set by the generator for the duration of a generation
 
     def forward(self, x, kv_cache: KVCache | None = None):
@@ -342,6 +499,8 @@ class GPTAttention(nn.Module):
         q = qkv[:, :, :, : self.q_per_group].reshape(b, s, -1, self.head_dim).transpose(1, 2)  # [b, nq_local, s, d]
         k = qkv[:, :, :, self.q_per_group].transpose(1, 2)  # [b, nkv_local, s, d]
         v = qkv[:, :, :, self.q_per_group + 1].transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if kv_cache is not None:
             return self._forward_cached(q, k, v, kv_cache)
         if self.config.position_embedding_type == "rope":
@@ -482,7 +641,8 @@ class GPTLMHead(nn.Module):
 
 
 class GPTBlock(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)); ``[b, s(/tp), h]`` in and out."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)); ``[b, s(/tp), h]`` in and out. The
+    mlp is a mixture of experts (:class:`zoo.models.moe.GPTMoE`) where ``config.is_moe_layer(layer_idx)``."""
 
     def __init__(self, config: GPTConfig, par: ParallelOptions, layer_idx: int):
         super().__init__()
@@ -491,7 +651,10 @@ class GPTBlock(nn.Module):
         self.input_norm = Norm(config, par)
         self.attention = GPTAttention(config, par, output_init)
         self.post_attention_norm = Norm(config, par)
-        self.mlp = GPTMLP(config, par, output_init)
+        if config.is_moe_layer(layer_idx):
+            self.mlp = GPTMoE(config, par, output_init)
+        else:
+            self.mlp = GPTMLP(config, par, output_init)
 
     def forward(self, x):
         p, sp = self.config.hidden_dropout, self.par.sequence_parallel
@@ -507,9 +670,8 @@ def layer_specs(config: GPTConfig, par: ParallelOptions | None = None) -> list:
     """The model as DeepSpeed layer specs; the TP group is resolved here, once."""
     par = par or ParallelOptions()
     if par.tp_group is None:
-        par = ParallelOptions(par.sequence_parallel, get_tensor_model_parallel_group())
-    tp = group_rank_and_size(par.tp_group)[1]
-    config.check_layout(tp)
+        par = replace(par, tp_group=get_tensor_model_parallel_group())
+    config.check_layout(group_rank_and_size(par.tp_group)[1], ep=group_rank_and_size(par.ep_group)[1])
     blocks = [LayerSpec(GPTBlock, config, par, i) for i in range(config.num_hidden_layers)]
     if config.tie_word_embeddings:
         return [

@@ -17,6 +17,7 @@ from zoo.parallel.layers import (
     scaled_init_method_normal,
 )
 from zoo.parallel.mappings import (
+    all_to_all,
     all_reduce_tensor_model_parallel_region,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,

@@ -8,6 +8,10 @@ Every primitive is a private ``autograd.Function`` and a public wrapper whose do
 A group of size one (or ``None`` outside torch.distributed) returns the input untouched, so a model runs
 unchanged in one process. ``group=None`` means the TP group of the current grid.
 
+Expert parallelism (GShard, arXiv 2006.16668) adds ``all_to_all``: rank r sends the i-th block of its rows to
+rank i, blocks of uneven sizes; its gradient is the same exchange with the sizes swapped. It takes its group
+explicitly (an expert-parallel group, never the TP default).
+
 Notation: activations are batch-first ``[b, s, h]``; tensor parallelism splits the last dimension, sequence
 parallelism splits ``s`` (dimension 1). Convolutions keep channels on dimension 1 (``[b, C, H, W]``), so the
 scatter and gather take ``dim`` (default: the last).
@@ -67,6 +71,17 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     # Work on a copy: autograd may hand the same gradient tensor to several inputs.
     out = x.clone()
     dist.all_reduce(out, group=group)
+    return out
+
+
+def _all_to_all(x: torch.Tensor, output_split_sizes, input_split_sizes, group) -> torch.Tensor:
+    _, world = group_rank_and_size(group)
+    if world == 1:
+        return x
+    x = x.contiguous()
+    rows = x.shape[0] if output_split_sizes is None else sum(output_split_sizes)
+    out = x.new_empty((rows, *x.shape[1:]))
+    dist.all_to_all_single(out, x, output_split_sizes, input_split_sizes, group=group)
     return out
 
 
@@ -161,6 +176,18 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         return _all_gather(grad, SEQUENCE_DIM, ctx.group), None
 
 
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, output_split_sizes, input_split_sizes, group):
+        ctx.group, ctx.output_split_sizes, ctx.input_split_sizes = group, output_split_sizes, input_split_sizes
+        return _all_to_all(x, output_split_sizes, input_split_sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Every row goes back where it came from: the sizes received become the sizes sent.
+        return _all_to_all(grad, ctx.input_split_sizes, ctx.output_split_sizes, ctx.group), None, None, None
+
+
 def copy_to_tensor_model_parallel_region(x, group=None):
     """Megatron's ``f``. Forward: identity. Backward: all-reduce (sum) the gradient over the TP group."""
     group = _resolve(group)
@@ -234,3 +261,14 @@ def reduce_scatter_to_sequence_parallel_region(x, group=None):
     if group_rank_and_size(group)[1] == 1:
         return x
     return _ReduceScatterToSequenceParallelRegion.apply(x, group)
+
+
+def all_to_all(x, output_split_sizes, input_split_sizes, group):
+    """Forward: ``all_to_all_single`` along dim 0: this rank's rows are cut into blocks of
+    ``input_split_sizes`` (block i to rank i) and the blocks received, of ``output_split_sizes`` rows (block j from
+    rank j), are stacked in rank order. ``None`` sizes: equal blocks. Backward: the same exchange of the gradient
+    with the two size lists swapped. A group of one returns ``x``.
+    """
+    if group_rank_and_size(group)[1] == 1:
+        return x
+    return _AllToAll.apply(x, output_split_sizes, input_split_sizes, group)

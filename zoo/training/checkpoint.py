@@ -100,26 +100,38 @@ def find_checkpoint(load: str | os.PathLike, step: int | None = None) -> Found:
 def universal_checkpoint_info(model_cfg) -> dict:
     """How each GPT parameter is split over TP, as the patterns DeepSpeed's universal checkpoint needs.
 
-    Names are ``<layer_idx>.<param>`` (DeepSpeed matches with ``re.match``; every pattern must match something).
-    Column-parallel weights (QKV per key-value group, fc1, the untied head) are joined on dim 0 (the default),
-    row-parallel weights on dim 1; SwiGLU's fc1 holds [gate; up] halves on every rank (two sub-parameters).
+    Names are ``<layer_idx>.<param>`` (DeepSpeed matches with ``re.match``; every pattern must match something, so
+    a pattern is listed only where the model has such a parameter). Column-parallel weights (QKV per key-value
+    group, fc1, the untied head, OLMoE's q/k norm over the projection) are joined on dim 0 (the default),
+    row-parallel weights on dim 1; SwiGLU's fc1 holds [gate; up] halves on every rank (two sub-parameters). An MoE
+    layer's router, experts and shared experts are whole on every TP rank (replicated).
     """
-    replicated = [r"\d+\.input_norm\.", r"\d+\.post_attention_norm\.", rf"{model_cfg.num_hidden_layers + 1}\.weight"]
+    L = model_cfg.num_hidden_layers
+    dense = any(not model_cfg.is_moe_layer(i) for i in range(L))
+    moe = model_cfg.num_experts > 0
+    replicated = [r"\d+\.input_norm\.", r"\d+\.post_attention_norm\.", rf"{L + 1}\.weight"]
     if model_cfg.add_bias:
-        replicated += [r"\d+\.attention\.dense\.bias", r"\d+\.mlp\.fc2\.bias",
-                       rf"{model_cfg.num_hidden_layers + 1}\.bias"]
+        replicated += [r"\d+\.attention\.dense\.bias", rf"{L + 1}\.bias"]
+        replicated += [r"\d+\.mlp\.fc2\.bias"] if dense else []
+    if model_cfg.qk_norm == "head":
+        replicated.append(r"\d+\.attention\.[qk]_norm\.weight")
+    if moe:
+        replicated += [r"\d+\.mlp\.router\.", r"\d+\.mlp\.experts\."]
+        if model_cfg.num_shared_experts:
+            replicated.append(r"\d+\.mlp\.shared_expert")  # the shared MLP and its gate
     if model_cfg.position_embedding_type == "learned":
         replicated.append(r"(tied_modules\.embed|0)\.position_embeddings\.weight")
     vocab = [r"(tied_modules\.embed|0)\.word_embeddings\.weight"]
     if not model_cfg.tie_word_embeddings:
-        vocab.append(rf"{model_cfg.num_hidden_layers + 2}\.linear\.weight")
+        vocab.append(rf"{L + 2}\.linear\.weight")
     info = {
         "tp_replicated_parameter_patterns": replicated,
-        "parameter_with_row_parallelism_patterns": [r"\d+\.attention\.dense\.weight", r"\d+\.mlp\.fc2\.weight"],
+        "parameter_with_row_parallelism_patterns": [r"\d+\.attention\.dense\.weight"] +
+                                                    ([r"\d+\.mlp\.fc2\.weight"] if dense else []),
         "vocabulary_parameter_patterns": vocab,
         "original_vocab_size": model_cfg.vocab_size,
     }
-    if model_cfg.activation == "swiglu":
+    if model_cfg.activation == "swiglu" and dense:
         info["parameter_with_2_sub_params_cat_dim_0"] = [r"\d+\.mlp\.fc1\.weight"] + \
             ([r"\d+\.mlp\.fc1\.bias"] if model_cfg.add_bias else [])
     if model_cfg.tie_word_embeddings:
