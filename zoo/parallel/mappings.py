@@ -10,7 +10,9 @@ unchanged in one process. ``group=None`` means the TP group of the current grid.
 
 Expert parallelism (GShard, arXiv 2006.16668) adds ``all_to_all``: rank r sends the i-th block of its rows to
 rank i, blocks of uneven sizes; its gradient is the same exchange with the sizes swapped. It takes its group
-explicitly (an expert-parallel group, never the TP default).
+explicitly (an expert-parallel group, never the TP default). DeepSpeed-Ulysses (arXiv 2309.14509) trades one
+sharded dimension for another with ``all_to_all_scatter_gather`` (sequence-sharded, all heads -> whole sequence,
+heads sharded); its gradient is the reverse trade. Its group is explicit too (a context-parallel group).
 
 Notation: activations are batch-first ``[b, s, h]``; tensor parallelism splits the last dimension, sequence
 parallelism splits ``s`` (dimension 1). Convolutions keep channels on dimension 1 (``[b, C, H, W]``), so the
@@ -83,6 +85,18 @@ def _all_to_all(x: torch.Tensor, output_split_sizes, input_split_sizes, group) -
     out = x.new_empty((rows, *x.shape[1:]))
     dist.all_to_all_single(out, x, output_split_sizes, input_split_sizes, group=group)
     return out
+
+
+def _all_to_all_scatter_gather(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
+    _, world = group_rank_and_size(group)
+    if world == 1:
+        return x
+    if x.shape[scatter_dim] % world:
+        raise ValueError(f"cannot scatter dimension {scatter_dim} of size {x.shape[scatter_dim]} over {world} ranks")
+    send = torch.stack(x.chunk(world, dim=scatter_dim))  # [world, ...]: block i goes to rank i
+    out = torch.empty_like(send)
+    dist.all_to_all_single(out, send, group=group)
+    return torch.cat(out.unbind(0), dim=gather_dim)  # block j came from rank j: its place along gather_dim
 
 
 class _CopyToModelParallelRegion(torch.autograd.Function):
@@ -188,6 +202,17 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, ctx.input_split_sizes, ctx.output_split_sizes, ctx.group), None, None, None
 
 
+class _AllToAllScatterGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scatter_dim, gather_dim, group):
+        ctx.scatter_dim, ctx.gather_dim, ctx.group = scatter_dim, gather_dim, group
+        return _all_to_all_scatter_gather(x, scatter_dim, gather_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all_scatter_gather(grad, ctx.gather_dim, ctx.scatter_dim, ctx.group), None, None, None
+
+
 def copy_to_tensor_model_parallel_region(x, group=None):
     """Megatron's ``f``. Forward: identity. Backward: all-reduce (sum) the gradient over the TP group."""
     group = _resolve(group)
@@ -272,3 +297,14 @@ def all_to_all(x, output_split_sizes, input_split_sizes, group):
     if group_rank_and_size(group)[1] == 1:
         return x
     return _AllToAll.apply(x, output_split_sizes, input_split_sizes, group)
+
+
+def all_to_all_scatter_gather(x, scatter_dim: int, gather_dim: int, group):
+    """Forward: cut ``scatter_dim`` into ``world`` equal blocks, send block i to rank i, and join the blocks received
+    along ``gather_dim`` in rank order (Ulysses: ``[b, n, s/p, d]`` -> ``[b, n/p, s, d]`` with scatter 1, gather 2).
+    Backward: the reverse exchange of the gradient (scatter ``gather_dim``, gather ``scatter_dim``). A group of one
+    returns ``x``.
+    """
+    if group_rank_and_size(group)[1] == 1:
+        return x
+    return _AllToAllScatterGather.apply(x, scatter_dim, gather_dim, group)
