@@ -80,6 +80,13 @@ def sequence_positions(s: int, cp_rank: int, cp: int, algorithm: str, device=Non
     return torch.cat((torch.arange(first, first + c, device=device), torch.arange(second, second + c, device=device)))
 
 
+def check_ulysses_heads(nq: int, cp: int) -> None:
+    """One line where Ulysses cannot split the query heads (of one TP rank) over cp ranks."""
+    if nq % cp:
+        raise ValueError(f"Ulysses splits the {nq} query heads (of one TP rank) over cp={cp} ranks and {cp} does not "
+                         f"divide {nq}; use a cp that divides it or cp_algorithm='ring'")
+
+
 def split_sequence(x: torch.Tensor, dim: int, cp_rank: int, cp: int, algorithm: str) -> torch.Tensor:
     """This rank's share of ``x`` along the sequence dimension ``dim``: positions :func:`sequence_positions`."""
     check_sequence_split(x.shape[dim], cp, algorithm)
@@ -103,9 +110,7 @@ def ulysses_attention(q, k, v, group, *, causal: bool = True, dropout_p: float =
     cp = group_rank_and_size(group)[1]
     nq, nkv = q.shape[1], k.shape[1]
     if cp > 1:
-        if nq % cp:
-            raise ValueError(f"Ulysses splits the {nq} query heads (of this TP rank) over cp={cp} ranks and {cp} does "
-                             f"not divide {nq}; use a cp that divides it or cp_algorithm='ring'")
+        check_ulysses_heads(nq, cp)
         if nkv % cp:  # each kv head copied r times stays next to its copies: query head j still meets j // (nq/nkv)
             r = math.lcm(nkv, cp) // nkv
             k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)  # [b, lcm(nkv, cp), s_l, d]
