@@ -191,26 +191,18 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 
 
 class _AllToAll(torch.autograd.Function):
+    """``exchange(x, a, b, group)``, either all-to-all of this file. Every element goes back where it came from by the
+    same exchange with ``a`` and ``b`` swapped: the sizes received become the sizes sent, the gathered dimension the
+    scattered one."""
+
     @staticmethod
-    def forward(ctx, x, output_split_sizes, input_split_sizes, group):
-        ctx.group, ctx.output_split_sizes, ctx.input_split_sizes = group, output_split_sizes, input_split_sizes
-        return _all_to_all(x, output_split_sizes, input_split_sizes, group)
+    def forward(ctx, x, exchange, a, b, group):
+        ctx.exchange, ctx.a, ctx.b, ctx.group = exchange, a, b, group
+        return exchange(x, a, b, group)
 
     @staticmethod
     def backward(ctx, grad):
-        # Every row goes back where it came from: the sizes received become the sizes sent.
-        return _all_to_all(grad, ctx.input_split_sizes, ctx.output_split_sizes, ctx.group), None, None, None
-
-
-class _AllToAllScatterGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scatter_dim, gather_dim, group):
-        ctx.scatter_dim, ctx.gather_dim, ctx.group = scatter_dim, gather_dim, group
-        return _all_to_all_scatter_gather(x, scatter_dim, gather_dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_to_all_scatter_gather(grad, ctx.gather_dim, ctx.scatter_dim, ctx.group), None, None, None
+        return ctx.exchange(grad, ctx.b, ctx.a, ctx.group), None, None, None, None
 
 
 def copy_to_tensor_model_parallel_region(x, group=None):
@@ -296,7 +288,7 @@ def all_to_all(x, output_split_sizes, input_split_sizes, group):
     """
     if group_rank_and_size(group)[1] == 1:
         return x
-    return _AllToAll.apply(x, output_split_sizes, input_split_sizes, group)
+    return _AllToAll.apply(x, _all_to_all, output_split_sizes, input_split_sizes, group)
 
 
 def all_to_all_scatter_gather(x, scatter_dim: int, gather_dim: int, group):
@@ -307,4 +299,4 @@ def all_to_all_scatter_gather(x, scatter_dim: int, gather_dim: int, group):
     """
     if group_rank_and_size(group)[1] == 1:
         return x
-    return _AllToAllScatterGather.apply(x, scatter_dim, gather_dim, group)
+    return _AllToAll.apply(x, _all_to_all_scatter_gather, scatter_dim, gather_dim, group)
