@@ -67,6 +67,26 @@ def test_primitives_forward_and_backward(dist_run, tp):
         assert all(dist_run(tp, primitives_case, tp))
 
 
+def scatter_gather_case():
+    """Ulysses' exchange on the world group: heads (dim 1) scattered, sequence (dim 2) gathered, and back."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    xs = [_rank_tensor(r, (B, 2 * world, S, H), 6) for r in range(world)]  # [b, n, s_l, d] per rank
+    gs = [_rank_tensor(r, (B, 2, world * S, H), 7) for r in range(world)]  # [b, n/p, s, d] per rank
+    x = xs[rank].clone().requires_grad_()
+    y = M.all_to_all_scatter_gather(x, 1, 2, dist.group.WORLD)
+    assert_close(y, torch.cat([chunk(xs[j], 1, rank, world) for j in range(world)], 2), "scatter-gather fwd")
+    y.backward(gs[rank])
+    assert_close(x.grad, torch.cat([chunk(gs[j], 2, rank, world) for j in range(world)], 1), "scatter-gather bwd")
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_to_all_scatter_gather_forward_and_backward(dist_run, world):
+    assert all(dist_run(world, scatter_gather_case))
+
+
 def test_size_one_group_returns_input_itself():
     x = torch.randn(2, 4, 8, requires_grad=True)
     for fn in (M.copy_to_tensor_model_parallel_region, M.reduce_from_tensor_model_parallel_region,
@@ -74,3 +94,4 @@ def test_size_one_group_returns_input_itself():
                M.scatter_to_sequence_parallel_region, M.gather_from_sequence_parallel_region,
                M.reduce_scatter_to_sequence_parallel_region):
         assert fn(x) is x, fn.__name__
+    assert M.all_to_all_scatter_gather(x, 1, 2, None) is x

@@ -12,10 +12,18 @@ attention output and MLP fc2 row-parallel, so a block costs two all-reduces forw
 vocab-parallel and the LM head produces vocab-sharded logits for ``vocab_parallel_cross_entropy``. With sequence
 parallelism (arXiv 2205.05198) the norms, dropouts and residuals work on ``[b, s/tp, h]``.
 
+Context parallelism (:mod:`zoo.parallel.context_parallel`, ``ParallelOptions.cp_group``): every layer holds this CP
+rank's s/cp positions (inputs and labels split alike, by ``split_sequence``); position embeddings and RoPE use the
+tokens' global positions, attention is Ulysses or ring attention, the loss the mean over the whole sequence.
+Heads are split over TP first, then Ulysses splits each TP rank's heads over CP. Sequence parallelism composes:
+it splits the local chunk, so norms see ``[b, s/(cp tp), h]`` and attention's column-parallel input gathers
+``[b, s/cp, h]`` back over TP. Generation (the KV cache) runs without CP.
+
 The model is a list of layer specs (:func:`layer_specs`): ``GPTEmbedding``, ``GPTBlock`` x L, ``GPTFinalNorm``
 and the LM head (the embedding again, through ``TiedLayerSpec``, when tied). Each layer takes and returns one
 tensor. Notation: b batch, s sequence, h hidden, nq/nkv query/key-value heads, d head dim, V padded vocabulary;
-a ``_local`` suffix means "this TP rank's share".
+a ``_local`` suffix means "this TP rank's share";
+with context parallelism, s counts this CP rank's positions (s/cp of the sequence).
 """
 
 from __future__ import annotations
@@ -30,6 +38,14 @@ from torch import nn
 
 from zoo.models.moe import GPTMoE
 from zoo.models.config import TransformerConfig
+from zoo.parallel.context_parallel import (
+    ALGORITHMS as CP_ALGORITHMS,
+    check_ulysses_heads,
+    context_parallel_mean,
+    ring_attention,
+    sequence_positions,
+    ulysses_attention,
+)
 from zoo.parallel.cross_entropy import vocab_parallel_cross_entropy
 from zoo.parallel.layers import (
     ColumnParallelLinear,
@@ -287,6 +303,17 @@ class ParallelOptions:
     sequence_parallel: bool = False
     tp_group: object = field(default=None, repr=False)  # None: the current grid's TP group
     ep_group: object = field(default=None, repr=False)  # expert parallelism (zoo.models.moe); None: no EP
+    cp_group: object = field(default=None, repr=False)  # context parallelism; None: no CP
+    cp_algorithm: str = "ulysses"  # "ulysses" (heads over CP) | "ring" (key/value blocks around CP)
+
+    def __post_init__(self):
+        if self.cp_algorithm not in CP_ALGORITHMS:
+            raise ValueError(f"cp_algorithm must be one of {CP_ALGORITHMS}, got {self.cp_algorithm!r}")
+
+    def global_positions(self, s_local: int, device) -> torch.Tensor:
+        """The global positions ``[s_local]`` of this rank's tokens (``0 .. s_local-1`` without CP)."""
+        rank, cp = group_rank_and_size(self.cp_group)
+        return sequence_positions(s_local * cp, rank, cp, self.cp_algorithm, device=device)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -458,10 +485,11 @@ class KVCache:
 
 
 class GPTAttention(nn.Module):
-    """Causal self-attention; heads split over TP.
+    """Causal self-attention; heads split over TP; with CP, over the whole sequence by Ulysses or ring attention.
 
     The fused QKV weight is laid out per key-value group: ``[q (nq/nkv heads), k, v]`` for each of the nkv groups,
-    so a contiguous TP split hands each rank whole groups (tp must divide nkv), as in Megatron.
+    so a contiguous TP split hands each rank whole groups (tp must divide nkv), as in Megatron. Ulysses then splits
+    a TP rank's nq/tp query heads over CP (cp must divide them); ring attention has no head limit and no dropout.
 
     Training calls ``forward(x)``. Generation passes a :class:`KVCache`, or attaches one as ``self.kv_cache``
     (the block calls ``attention(x)`` unchanged); the training path only checks that it is None.
@@ -482,6 +510,9 @@ class GPTAttention(nn.Module):
         self.q_per_group = nq // nkv
         self.head_dim = d
         self.sequence_parallel = par.sequence_parallel
+        self.par, self.cp = par, group_rank_and_size(par.cp_group)[1]
+        if par.cp_algorithm == "ulysses":
+            check_ulysses_heads(nq // tp, self.cp)
         self.q_norm = self.k_norm = None
         if config.qk_norm is not None:
             self.q_norm = QKNorm(config, nq, self.qkv.tp_group)
@@ -493,6 +524,9 @@ class GPTAttention(nn.Module):
         if kv_cache is not None and self.sequence_parallel:
             raise ValueError("the KV cache is for generation, which runs without sequence parallelism; build the "
                              "model with ParallelOptions(sequence_parallel=False)")
+        if kv_cache is not None and self.cp > 1:
+            raise ValueError("the KV cache is for generation, which runs without context parallelism; build the "
+                             "model with ParallelOptions(cp_group=None)")
         qkv = self.qkv(x)  # [b, s, g_local * (q_per_group + 2) * d]
         b, s, _ = qkv.shape
         qkv = qkv.view(b, s, self.num_groups_local, self.q_per_group + 2, self.head_dim)
@@ -504,13 +538,25 @@ class GPTAttention(nn.Module):
         if kv_cache is not None:
             return self._forward_cached(q, k, v, kv_cache)
         if self.config.position_embedding_type == "rope":
-            cos, sin = rope_table(self.config, s, x.device, q.dtype)
-            cos, sin = cos[:s], sin[:s]  # [s, d]
+            cos, sin = rope_table(self.config, s * self.cp, x.device, q.dtype)
+            if self.cp == 1:
+                cos, sin = cos[:s], sin[:s]  # [s, d]
+            else:  # this rank's tokens sit at their global positions
+                pos = self.par.global_positions(s, x.device)
+                cos, sin = cos[pos], sin[pos]  # [s, d]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         p = self.config.attention_dropout if self.training else 0.0
         with tensor_parallel_rng():  # heads are sharded: each rank draws its own heads' masks
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
-                                                 enable_gqa=self.q_per_group > 1)  # [b, nq_local, s, d]
+            if self.cp == 1:
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                     enable_gqa=self.q_per_group > 1)  # [b, nq_local, s, d]
+            elif self.par.cp_algorithm == "ulysses":
+                out = ulysses_attention(q, k, v, self.par.cp_group, dropout_p=p)  # [b, nq_local, s, d]
+            elif p > 0:
+                raise ValueError("ring attention has no attention dropout; set attention_dropout=0 or use "
+                                 "cp_algorithm='ulysses'")
+            else:
+                out = ring_attention(q, k, v, self.par.cp_group)  # [b, nq_local, s, d]
         out = out.transpose(1, 2).reshape(b, s, -1)  # [b, s, nq_local * d]
         return self.dense(out)
 
@@ -569,7 +615,8 @@ def _dropout(x, p, training, sequence_parallel):
 
 
 class GPTEmbedding(nn.Module):
-    """Token ids ``[b, s]`` -> hidden ``[b, s, h]`` (``[b, s/tp, h]`` with sequence parallelism).
+    """Token ids ``[b, s]`` -> hidden ``[b, s, h]`` (``[b, s/tp, h]`` with sequence parallelism). With context
+    parallelism the ids are this CP rank's s/cp tokens and learned positions are looked up at their global positions.
 
     Also the tied LM head (``lm_logits``) on the last pipeline stage when embeddings are tied.
     """
@@ -596,13 +643,14 @@ class GPTEmbedding(nn.Module):
         """``position_ids`` (``[s]`` or ``[b, s]``; default ``0 .. s-1``) lets generation continue after cached
         positions; training passes ids alone."""
         s = ids.shape[1]
+        cp = group_rank_and_size(self.par.cp_group)[1]
         if position_ids is None:
-            if s > self.config.max_position_embeddings:
-                raise ValueError(f"sequence length {s} exceeds max_position_embeddings "
+            if s * cp > self.config.max_position_embeddings:
+                raise ValueError(f"sequence length {s * cp} exceeds max_position_embeddings "
                                  f"{self.config.max_position_embeddings}")
-            position_ids = torch.arange(s, device=ids.device)
-        elif self.par.sequence_parallel:
-            raise ValueError("position_ids are for generation, which runs without sequence parallelism")
+            position_ids = self.par.global_positions(s, ids.device)  # 0 .. s-1 without CP
+        elif self.par.sequence_parallel or cp > 1:
+            raise ValueError("position_ids are for generation, which runs without sequence or context parallelism")
         x = self.word_embeddings(ids)  # [b, s, h]
         if self.position_embeddings is not None:
             x = x + self.position_embeddings(position_ids)  # [s, h] or [b, s, h]
@@ -689,15 +737,23 @@ CHECKPOINTABLE_LAYERS = ("GPTBlock",)
 
 
 class GPTLoss:
-    """Mean next-token cross entropy over the labels that are not ``ignore_index``, from vocab-sharded logits."""
+    """Mean next-token cross entropy over the labels that are not ``ignore_index``, from vocab-sharded logits.
 
-    def __init__(self, config: GPTConfig, tp_group=None, ignore_index: int = -100, label_smoothing: float = 0.0):
+    With context parallelism (``cp_group``) the labels are this rank's share, shifted before the split; the loss is
+    the mean over the whole (micro-)batch's labels: every CP rank returns sum of all token losses / count of all
+    labels, the same value, and its backward scales this rank's tokens by cp / count, so the gradients *averaged*
+    over the CP ranks (a trainer's dp x cp average) are the gradient of that mean
+    (:func:`zoo.parallel.context_parallel.context_parallel_mean`).
+    """
+
+    def __init__(self, config: GPTConfig, tp_group=None, ignore_index: int = -100, label_smoothing: float = 0.0,
+                 cp_group=None):
         self.vocab_size, self.ignore_index, self.label_smoothing = config.vocab_size, ignore_index, label_smoothing
         self.tp_group = get_tensor_model_parallel_group() if tp_group is None else tp_group
+        self.cp_group = cp_group
 
     def __call__(self, logits, labels):
         losses = vocab_parallel_cross_entropy(logits, labels, label_smoothing=self.label_smoothing,
                                               ignore_index=self.ignore_index, vocab_size=self.vocab_size,
                                               tp_group=self.tp_group)
-        count = (labels != self.ignore_index).sum().clamp(min=1)
-        return losses.sum() / count
+        return context_parallel_mean(losses.sum(), (labels != self.ignore_index).sum(), self.cp_group)

@@ -18,6 +18,7 @@ from zoo.parallel.layers import (
 )
 from zoo.parallel.mappings import (
     all_to_all,
+    all_to_all_scatter_gather,
     all_reduce_tensor_model_parallel_region,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,

@@ -10,7 +10,9 @@ unchanged in one process. ``group=None`` means the TP group of the current grid.
 
 Expert parallelism (GShard, arXiv 2006.16668) adds ``all_to_all``: rank r sends the i-th block of its rows to
 rank i, blocks of uneven sizes; its gradient is the same exchange with the sizes swapped. It takes its group
-explicitly (an expert-parallel group, never the TP default).
+explicitly (an expert-parallel group, never the TP default). DeepSpeed-Ulysses (arXiv 2309.14509) trades one
+sharded dimension for another with ``all_to_all_scatter_gather`` (sequence-sharded, all heads -> whole sequence,
+heads sharded); its gradient is the reverse trade. Its group is explicit too (a context-parallel group).
 
 Notation: activations are batch-first ``[b, s, h]``; tensor parallelism splits the last dimension, sequence
 parallelism splits ``s`` (dimension 1). Convolutions keep channels on dimension 1 (``[b, C, H, W]``), so the
@@ -83,6 +85,18 @@ def _all_to_all(x: torch.Tensor, output_split_sizes, input_split_sizes, group) -
     out = x.new_empty((rows, *x.shape[1:]))
     dist.all_to_all_single(out, x, output_split_sizes, input_split_sizes, group=group)
     return out
+
+
+def _all_to_all_scatter_gather(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
+    _, world = group_rank_and_size(group)
+    if world == 1:
+        return x
+    if x.shape[scatter_dim] % world:
+        raise ValueError(f"cannot scatter dimension {scatter_dim} of size {x.shape[scatter_dim]} over {world} ranks")
+    send = torch.stack(x.chunk(world, dim=scatter_dim))  # [world, ...]: block i goes to rank i
+    out = torch.empty_like(send)
+    dist.all_to_all_single(out, send, group=group)
+    return torch.cat(out.unbind(0), dim=gather_dim)  # block j came from rank j: its place along gather_dim
 
 
 class _CopyToModelParallelRegion(torch.autograd.Function):
@@ -177,15 +191,18 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 
 
 class _AllToAll(torch.autograd.Function):
+    """``exchange(x, a, b, group)``, either all-to-all of this file. Every element goes back where it came from by the
+    same exchange with ``a`` and ``b`` swapped: the sizes received become the sizes sent, the gathered dimension the
+    scattered one."""
+
     @staticmethod
-    def forward(ctx, x, output_split_sizes, input_split_sizes, group):
-        ctx.group, ctx.output_split_sizes, ctx.input_split_sizes = group, output_split_sizes, input_split_sizes
-        return _all_to_all(x, output_split_sizes, input_split_sizes, group)
+    def forward(ctx, x, exchange, a, b, group):
+        ctx.exchange, ctx.a, ctx.b, ctx.group = exchange, a, b, group
+        return exchange(x, a, b, group)
 
     @staticmethod
     def backward(ctx, grad):
-        # Every row goes back where it came from: the sizes received become the sizes sent.
-        return _all_to_all(grad, ctx.input_split_sizes, ctx.output_split_sizes, ctx.group), None, None, None
+        return ctx.exchange(grad, ctx.b, ctx.a, ctx.group), None, None, None, None
 
 
 def copy_to_tensor_model_parallel_region(x, group=None):
@@ -271,4 +288,15 @@ def all_to_all(x, output_split_sizes, input_split_sizes, group):
     """
     if group_rank_and_size(group)[1] == 1:
         return x
-    return _AllToAll.apply(x, output_split_sizes, input_split_sizes, group)
+    return _AllToAll.apply(x, _all_to_all, output_split_sizes, input_split_sizes, group)
+
+
+def all_to_all_scatter_gather(x, scatter_dim: int, gather_dim: int, group):
+    """Forward: cut ``scatter_dim`` into ``world`` equal blocks, send block i to rank i, and join the blocks received
+    along ``gather_dim`` in rank order (Ulysses: ``[b, n, s/p, d]`` -> ``[b, n/p, s, d]`` with scatter 1, gather 2).
+    Backward: the reverse exchange of the gradient (scatter ``gather_dim``, gather ``scatter_dim``). A group of one
+    returns ``x``.
+    """
+    if group_rank_and_size(group)[1] == 1:
+        return x
+    return _AllToAll.apply(x, _all_to_all_scatter_gather, scatter_dim, gather_dim, group)
