@@ -413,6 +413,7 @@ def add_run_flags(p: argparse.ArgumentParser, *, eval_help: str = "validation lo
     """The flags every run command shares (train, finetune): layout, steps, intervals, resume, --set."""
     p.add_argument("--tp", type=int, help="tensor-parallel size")
     p.add_argument("--pp", type=int, help="pipeline-parallel size")
+    p.add_argument("--ep", type=int, help="expert-parallel size (mixture-of-experts models; must divide dp)")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (pp > 1 allows 0 or 1)")
     p.add_argument("--steps", type=int, help="number of optimizer steps (the run's total, also when resuming)")
     p.add_argument("--eval-interval", type=int, metavar="N",
@@ -447,9 +448,10 @@ def parse_args(argv=None):
 
 def config_from_args(args) -> RunConfig:
     overrides = list(args.set)
-    for flag, key in (("tp", "parallel.tp"), ("pp", "parallel.pp"), ("zero", "parallel.zero_stage"),
-                      ("steps", "training.steps"), ("eval_interval", "training.eval_interval"),
-                      ("save_interval", "training.save_interval"), ("init", "training.init_from"), ("out", "out")):
+    for flag, key in (("tp", "parallel.tp"), ("pp", "parallel.pp"), ("ep", "parallel.ep"),
+                      ("zero", "parallel.zero_stage"), ("steps", "training.steps"),
+                      ("eval_interval", "training.eval_interval"), ("save_interval", "training.save_interval"),
+                      ("init", "training.init_from"), ("out", "out")):
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{key}={value}")
@@ -510,13 +512,14 @@ def main(argv=None) -> int:
         if rank0:
             print(f"error: {e}", file=sys.stderr)
         return 2
-    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp)
+    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep)
     out = Path(cfg.out)
     say = lambda s: print(s, flush=True)  # noqa: E731
     if grid.rank == 0:
         count = model_cfg.num_parameters() if hasattr(model_cfg, "num_parameters") else float("nan")
         per_sample = f" x {cfg.training.seq_length} tokens" if get_family(cfg.model.family).unit == "tokens" else ""
         say(f"zoo: {cfg.model.family} {count / 1e6:.2f}M parameters | tp={grid.tp} pp={grid.pp} dp={grid.dp} "
+            + (f"ep={grid.ep} " if grid.ep > 1 else "") +
             f"zero={cfg.parallel.zero_stage} | global batch {cfg.global_batch_size}{per_sample} | "
             f"{cfg.training.precision} | data: {cfg.data.source}")
         out.mkdir(parents=True, exist_ok=True)
