@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zoo.parallel.topology import LayoutError, check_layout, initialize_model_parallel
+from zoo.parallel.topology import LayoutError, check_layout, expert_parallel_rank_lists, initialize_model_parallel
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,6 +29,69 @@ def test_bad_layouts_fail_with_one_line():
         check_layout(4, 0, 1)
     with pytest.raises(LayoutError, match="pp must be a positive integer"):
         check_layout(4, 1, -2)
+
+
+@pytest.mark.parametrize("world,tp,pp,ep,dp", [(4, 1, 1, 2, 4), (4, 1, 1, 4, 4), (8, 2, 2, 2, 2), (12, 3, 1, 4, 4)])
+def test_check_layout_with_ep(world, tp, pp, ep, dp):
+    assert check_layout(world, tp, pp, ep) == dp
+
+
+def test_ep_that_does_not_divide_dp_fails_with_one_line():
+    message = (r"^ep 4 does not divide the data-parallel size 2 \(world size 8 / tp\*pp 4\); expert-parallel groups "
+               r"are carved out of the data-parallel ranks: pick ep in \[1, 2\] or launch a multiple of tp\*pp\*ep = 16 "
+               r"processes$")
+    with pytest.raises(LayoutError, match=message) as e:
+        check_layout(8, 2, 2, 4)
+    assert "\n" not in str(e.value)
+    with pytest.raises(LayoutError, match="ep must be a positive integer, got 0"):
+        check_layout(4, 1, 1, 0)
+
+
+@pytest.mark.parametrize("world,tp,pp,ep", [(8, 2, 1, 2), (8, 1, 1, 2), (8, 1, 2, 2), (16, 2, 2, 2), (16, 1, 2, 4)])
+def test_expert_groups_are_deepspeeds(world, tp, pp, ep):
+    """EP groups: consecutive chunks of each DP group; EDP groups: the strided rest, as deepspeed.utils.groups."""
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+    from deepspeed.utils.groups import _get_expert_parallel_ranks
+
+    topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=world // (tp * pp))
+    ep_lists, edp_lists = expert_parallel_rank_lists(topology.get_axis_comm_lists("data"), ep)
+    ds_ep, ds_edp = _get_expert_parallel_ranks(world, tp, ep, pp)
+    assert sorted(ep_lists) == sorted(ds_ep) and sorted(edp_lists) == sorted(ds_edp)
+    if (world, tp, pp, ep) == (8, 2, 1, 2):  # the table in zoo/parallel/topology.py's docstring
+        assert sorted(ep_lists) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+        assert sorted(edp_lists) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def expert_grid_case(tp, pp, ep):
+    from deepspeed.utils import groups as ds_groups
+
+    grid = initialize_model_parallel(tp, pp, ep)
+    rank = dist.get_rank()
+    assert rank in grid.ep_ranks and rank in grid.edp_ranks and rank in grid.dp_ranks
+    assert set(grid.ep_ranks) | set(grid.edp_ranks) <= set(grid.dp_ranks)
+    assert len(grid.ep_ranks) == ep and len(grid.edp_ranks) == grid.dp // ep
+    assert grid.ep_ranks == tuple(grid.dp_ranks[grid.dp_rank // ep * ep:][:ep]), "consecutive chunk of the DP group"
+    assert (grid.ep_rank, grid.edp_rank) == (grid.dp_rank % ep, grid.dp_rank // ep)
+    for group, members in ((grid.ep_group, grid.ep_ranks), (grid.edp_group, grid.edp_ranks)):
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=group)
+        assert t.item() == sum(members)
+    # DeepSpeed's own caches hold exactly these groups, under the name its MoE parameters carry.
+    name = grid.expert_group_name
+    assert name == f"ep_size_{ep}"
+    assert ds_groups._get_expert_parallel_group(name) is grid.ep_group is grid.get_expert_parallel_group()
+    assert ds_groups._get_expert_data_parallel_group(name) is grid.edp_group is grid.get_expert_data_parallel_group()
+    assert ds_groups._get_expert_parallel_group_ranks(name) == list(grid.ep_ranks)
+    assert ds_groups._get_expert_data_parallel_group_ranks(name) == list(grid.edp_ranks)
+    assert grid.get_expert_parallel_world_size() == ep and grid.get_expert_data_parallel_rank() == grid.edp_rank
+    assert initialize_model_parallel(tp, pp, ep) is grid and initialize_model_parallel(tp, pp) is not grid
+    return grid.ep_ranks, grid.edp_ranks
+
+
+@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 2), (1, 1, 4), (2, 1, 2), (1, 2, 2)])
+def test_expert_groups_on_four_ranks(dist_run, tp, pp, ep):
+    groups = dist_run(4, expert_grid_case, tp, pp, ep)
+    assert len({g for g, _ in groups}) == 4 // ep and len({g for _, g in groups}) == 4 // (4 // (tp * pp) // ep)
 
 
 def grid_case(tp, pp):

@@ -9,7 +9,7 @@ import pytest
 from zoo.training.config import ConfigError, deepspeed_config, load, validate
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY, LLAMA = ROOT / "configs/gpt/tiny.yaml", ROOT / "configs/gpt/tiny-llama.yaml"
+TINY, LLAMA, MOE = (ROOT / f"configs/gpt/{name}.yaml" for name in ("tiny", "tiny-llama", "tiny-moe"))
 
 
 def _validate(path, overrides, world=1, **kw):
@@ -36,6 +36,19 @@ BAD = [
     (TINY, ["model.family=rnn"], 1, r"^model: model.family 'rnn' is not known; families: \['bert', 'bert-classifier', 'gpt', "),
     (TINY, ["data.source=web"], 1, r"^data.source 'web' is not available for GPT; supported: \['embedded', "),
     (TINY, ["training.init_from=/nonexistent/model"], 1, r"^training.init_from: "),
+    # Mixture of experts and expert parallelism.
+    (MOE, ["parallel.ep=3"], 3, r"^num_experts 8 is not divisible by ep 3; use an ep that divides it$"),
+    (MOE, ["model.num_experts_per_tok=9"], 1,
+     r"^model: GPTConfig: num_experts_per_tok \(top-k\) 9 must be between 1 and num_experts 8$"),
+    (MOE, ["parallel.tp=2", "parallel.ep=4"], 4,
+     r"^ep 4 does not divide the data-parallel size 2 \(world size 4 / tp\*pp 2\); expert-parallel groups are "
+     r"carved out of the data-parallel ranks: pick ep in \[1, 2\] or launch a multiple of tp\*pp\*ep = 8 processes$"),
+    (MOE, ["model.n_group=3", "model.topk_group=1"], 1, r"^model: GPTConfig: n_group 3 does not divide num_experts 8$"),
+    (MOE, ["parallel.zero_stage=3"], 1,
+     r"^ZeRO stage 3 does not work with mixture-of-experts models \(DeepSpeed refuses MoE with ZeRO-3\); use "
+     r"parallel.zero_stage 1 or 2$"),
+    (TINY, ["parallel.ep=2"], 2, r"^parallel.ep 2 needs a mixture-of-experts model \(model.num_experts > 0"),
+    (MOE, ["parallel.ep=0"], 1, r"^parallel.ep must be a positive integer, got 0$"),
 ]
 
 
@@ -69,6 +82,15 @@ def test_derived_batch_numbers_and_deepspeed_json():
     assert ds["train_batch_size"] == 32 == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 2
     assert ds["zero_optimization"]["stage"] == 1
     assert ds["pipeline"] == {"pipe_partitioned": False, "grad_partitioned": False}
+
+
+def test_expert_parallel_run_config():
+    cfg = load(MOE, ["parallel.ep=2", "parallel.zero_stage=2", "training.global_batch_size=32"])
+    model = validate(cfg, 4)
+    assert (cfg.dp, cfg.parallel.ep, model.num_experts) == (4, 2, 8)
+    assert model.router_aux_loss_coef > 0, "the shipped MoE job trains with its load-balancing loss"
+    zero = deepspeed_config(cfg)["zero_optimization"]
+    assert zero == {"stage": 2, "contiguous_gradients": True, "reduce_scatter": True}  # DeepSpeed's MoE ZeRO asserts
 
 
 def test_cli_refuses_before_starting_anything(tmp_path):

@@ -25,3 +25,21 @@ def test_peak_known_only_for_16bit_on_known_devices():
     assert peak_tflops("NVIDIA H200", "bf16") == 989.5
     assert peak_tflops("NVIDIA H200", "fp32") is None
     assert peak_tflops(None, "bf16") is None
+
+
+def test_moe_counts_active_parameters_only():
+    """A MoE layer costs its router, the top-k experts a token goes to and the shared expert, not all E experts:
+    apart from attention scores and the head, a forward is 2 FLOPs per active weight."""
+    from zoo.training.metrics import forward_flops_per_token
+
+    c, s = GPTConfig.from_preset("tiny-moe"), 64
+    h, L, nq, d, V = c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.head_dim, c.vocab_size
+    norms = (2 * L + 1) * h
+    weights = c.num_parameters(include_embeddings=False, active=True) - norms
+    assert forward_flops_per_token(c, s) == 2 * weights + L * 4 * s * nq * d + 2 * h * V
+    assert weights < c.num_parameters(include_embeddings=False) - norms, "only 2 of 8 experts are active"
+    # Qwen2-MoE-like: blocks 1 and 3 sparse (8 experts of width 32, top-2, a gated shared expert of width 64).
+    q = GPTConfig.from_preset("tiny-moe-shared")
+    attention = 2 * h * (4 + 2 * 2) * d + 2 * 4 * d * h + 4 * s * 4 * d
+    dense, sparse = 3 * 2 * h * 176, 2 * h * 8 + 2 * 3 * 2 * h * 32 + 3 * 2 * h * 64 + 2 * h
+    assert forward_flops_per_token(q, s) == 4 * attention + 2 * dense + 2 * sparse + 2 * h * V

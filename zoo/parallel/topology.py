@@ -1,4 +1,4 @@
-"""One process grid for tensor x pipeline x data parallelism.
+"""One process grid for tensor x pipeline x data parallelism, with expert parallelism inside data parallelism.
 
 The grid is DeepSpeed's ``PipeModelDataParallelTopology(num_pp, num_mp=tp, num_dp)``. Its axes are
 ``(pipe, data, model)`` with ``model`` (= tensor parallel) varying fastest, so the ranks of one TP group are
@@ -9,9 +9,24 @@ adjacent, as Megatron places them inside a node (TP traffic is the heaviest). Fo
     data:  0 0 1 1 0 0 1 1
     tp:    0 1 0 1 0 1 0 1
 
+Expert parallelism (ep, which must divide dp) lives inside data parallelism, in the order of DeepSpeed's
+``deepspeed.utils.groups``: each data-parallel group is cut into consecutive chunks of ep ranks, the EP groups
+(together they hold one MoE layer's experts, E/ep each, and exchange tokens); the ranks at the same place of
+those chunks, strided, form the expert-data-parallel (EDP) groups (they hold the same experts and average their
+gradients). For 8 ranks at tp=2, pp=1, ep=2 (dp=4; DP groups [0,2,4,6] [1,3,5,7]):
+
+    rank:  0 1 2 3 4 5 6 7
+    data:  0 0 1 1 2 2 3 3
+    tp:    0 1 0 1 0 1 0 1
+    ep:    0 0 1 1 0 0 1 1     EP groups  [0,2] [4,6] [1,3] [5,7]
+    edp:   0 0 0 0 1 1 1 1     EDP groups [0,4] [2,6] [1,5] [3,7]
+
 ``ParallelGrid`` builds every group once and doubles as the ``mpu`` object DeepSpeed expects
 (``deepspeed.initialize(mpu=grid)``, ``checkpointing.configure(mpu_=grid)``). Following DeepSpeed's own
 ``PipelineParallelGrid``, "model parallel" there means pipe x tensor; "tensor model parallel" is TP alone.
+With ep > 1 the grid also puts its EP and EDP groups into DeepSpeed's own caches (``deepspeed.utils.groups``,
+under the name ``ep_size_<ep>``), which DeepSpeed's MoE-aware gradient reduction and ZeRO partitioning read, so
+DeepSpeed reduces expert gradients over exactly these groups.
 
 Layers never read the grid while running: they take ``tp_group=None`` and resolve it once, when built, through
 :func:`get_tensor_model_parallel_group` (``None`` when no grid exists, i.e. a single process).
@@ -32,9 +47,9 @@ class LayoutError(ValueError):
     """A parallel layout that cannot be built; the message is one line naming the numbers and the fix."""
 
 
-def check_layout(world_size: int, tp: int = 1, pp: int = 1) -> int:
-    """Validate a (world size, tp, pp) layout and return the data-parallel size."""
-    for name, value in (("tp", tp), ("pp", pp), ("world size", world_size)):
+def check_layout(world_size: int, tp: int = 1, pp: int = 1, ep: int = 1) -> int:
+    """Validate a (world size, tp, pp, ep) layout and return the data-parallel size."""
+    for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("world size", world_size)):
         if not isinstance(value, int) or value < 1:
             raise LayoutError(f"{name} must be a positive integer, got {value!r}")
     if world_size % (tp * pp):
@@ -43,7 +58,26 @@ def check_layout(world_size: int, tp: int = 1, pp: int = 1) -> int:
             f"world size {world_size} is not divisible by tp*pp = {tp * pp}; "
             f"launch a multiple of {tp * pp} processes or pick tp*pp in {divisors}"
         )
-    return world_size // (tp * pp)
+    dp = world_size // (tp * pp)
+    if dp % ep:
+        divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+        raise LayoutError(
+            f"ep {ep} does not divide the data-parallel size {dp} (world size {world_size} / tp*pp {tp * pp}); "
+            f"expert-parallel groups are carved out of the data-parallel ranks: pick ep in {divisors} or launch "
+            f"a multiple of tp*pp*ep = {tp * pp * ep} processes"
+        )
+    return dp
+
+
+def expert_parallel_rank_lists(data_parallel_lists, ep: int) -> tuple[list, list]:
+    """(EP groups, EDP groups) as rank lists: each data-parallel group cut into consecutive chunks of ep ranks,
+    and the ranks at the same place of those chunks (DeepSpeed's ``_get_expert_parallel_ranks``)."""
+    ep_lists, edp_lists = [], []
+    for ranks in data_parallel_lists:
+        chunks = [list(ranks[i:i + ep]) for i in range(0, len(ranks), ep)]
+        ep_lists += chunks
+        edp_lists += [list(r) for r in zip(*chunks)]
+    return ep_lists, edp_lists
 
 
 def init_distributed(timeout_minutes: float | None = None) -> None:
@@ -93,15 +127,15 @@ class _Axis:
 
 
 class ParallelGrid:
-    """Process groups and ranks of one (tp, pp, dp) layout; also DeepSpeed's ``mpu`` interface."""
+    """Process groups and ranks of one (tp, pp, dp, ep) layout; also DeepSpeed's ``mpu`` interface."""
 
-    def __init__(self, tp: int = 1, pp: int = 1):
+    def __init__(self, tp: int = 1, pp: int = 1, ep: int = 1):
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized; call zoo.parallel.topology.init_distributed() first")
         world_size = dist.get_world_size()
-        self.tp, self.pp, self.dp = tp, pp, check_layout(world_size, tp, pp)
+        self.tp, self.pp, self.ep, self.dp = tp, pp, ep, check_layout(world_size, tp, pp, ep)
         self.world_size = world_size
         self.rank = dist.get_rank()
         self.topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=self.dp)
@@ -112,6 +146,32 @@ class ParallelGrid:
         self._dp = self._build_axis(self.topology.get_axis_comm_lists("data"))
         mp_lists = [self.topology.filter_match(data=d) for d in range(self.dp)]  # pipe x tensor, one per replica
         self._mp = self._build_axis(mp_lists)
+        if ep > 1:
+            ep_lists, edp_lists = expert_parallel_rank_lists(self.topology.get_axis_comm_lists("data"), ep)
+            self._ep = self._build_axis(ep_lists)
+            self._edp = self._build_axis(edp_lists)
+            self.register_expert_groups()
+        else:  # no expert parallelism: no EP group (layers take None), experts are averaged like any weight
+            self._ep = _Axis(0, 1, None, (self.rank,))
+            self._edp = self._dp
+
+    @property
+    def expert_group_name(self) -> str:
+        """DeepSpeed's name for the EP/EDP groups of this ep (``param.group_name`` of expert parameters)."""
+        return f"ep_size_{self.ep}"
+
+    def register_expert_groups(self) -> None:
+        """Put this grid's EP and EDP groups into DeepSpeed's caches, where its MoE gradient reduction, ZeRO's
+        expert partitioning and its MoE checkpoint code look them up by ``expert_group_name``."""
+        if self.ep == 1:
+            return
+        from deepspeed.utils import groups as ds_groups
+
+        name = self.expert_group_name
+        ds_groups._EXPERT_PARALLEL_GROUP[name] = self._ep.group
+        ds_groups._EXPERT_PARALLEL_GROUP_RANKS[name] = list(self._ep.ranks)
+        ds_groups._EXPERT_DATA_PARALLEL_GROUP[name] = self._edp.group
+        ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = list(self._edp.ranks)
 
     def _build_axis(self, rank_lists) -> _Axis:
         mine = None
@@ -132,12 +192,18 @@ class ParallelGrid:
     tp_ranks = property(lambda self: self._tp.ranks)
     pp_ranks = property(lambda self: self._pp.ranks)
     dp_ranks = property(lambda self: self._dp.ranks)
+    ep_rank = property(lambda self: self._ep.rank)  # expert parallel: None group when ep == 1
+    ep_group = property(lambda self: self._ep.group)
+    ep_ranks = property(lambda self: self._ep.ranks)
+    edp_rank = property(lambda self: self._edp.rank)  # expert data parallel: the DP group when ep == 1
+    edp_group = property(lambda self: self._edp.group)
+    edp_ranks = property(lambda self: self._edp.ranks)
     is_first_stage = property(lambda self: self._pp.rank == 0)
     is_last_stage = property(lambda self: self._pp.rank == self.pp - 1)
 
     def __repr__(self):
         return (f"ParallelGrid(rank={self.rank}, tp={self.tp_rank}/{self.tp}, pp={self.pp_rank}/{self.pp}, "
-                f"dp={self.dp_rank}/{self.dp})")
+                f"dp={self.dp_rank}/{self.dp}, ep={self.ep_rank}/{self.ep})")
 
     # ---- the mpu interface (DeepSpeed engine, ZeRO, activation checkpointing) ---------------------------
     def get_tensor_model_parallel_rank(self):
@@ -184,12 +250,30 @@ class ParallelGrid:
     get_pipeline_model_parallel_world_size = get_pipe_parallel_world_size
     get_pipeline_model_parallel_group = get_pipe_parallel_group
 
+    def get_expert_parallel_rank(self):
+        return self._ep.rank
 
-_GRIDS: dict[tuple[int, int], ParallelGrid] = {}
+    def get_expert_parallel_world_size(self):
+        return self._ep.world_size
+
+    def get_expert_parallel_group(self):
+        return self._ep.group
+
+    def get_expert_data_parallel_rank(self):
+        return self._edp.rank
+
+    def get_expert_data_parallel_world_size(self):
+        return self._edp.world_size
+
+    def get_expert_data_parallel_group(self):
+        return self._edp.group
+
+
+_GRIDS: dict[tuple[int, int, int], ParallelGrid] = {}
 _CURRENT: ParallelGrid | None = None
 
 
-def initialize_model_parallel(tp: int = 1, pp: int = 1) -> ParallelGrid:
+def initialize_model_parallel(tp: int = 1, pp: int = 1, ep: int = 1) -> ParallelGrid:
     """Build (or reuse) the grid for this layout and make it the default for layers built afterwards.
 
     Starts torch.distributed first when needed, so it works in one plain process with no launcher.
@@ -197,15 +281,16 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1) -> ParallelGrid:
     """
     global _CURRENT
     if dist.is_available() and dist.is_initialized():
-        check_layout(dist.get_world_size(), tp, pp)
+        check_layout(dist.get_world_size(), tp, pp, ep)
     else:
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        check_layout(world, tp, pp)
+        check_layout(world, tp, pp, ep)
         init_distributed()
-    key = (tp, pp)
+    key = (tp, pp, ep)
     if key not in _GRIDS:
-        _GRIDS[key] = ParallelGrid(tp, pp)
+        _GRIDS[key] = ParallelGrid(tp, pp, ep)
     _CURRENT = _GRIDS[key]
+    _CURRENT.register_expert_groups()  # another grid with this ep may have registered its own groups since
     return _CURRENT
 
 

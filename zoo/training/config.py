@@ -3,7 +3,7 @@
 A run config has four sections (see ``configs/gpt/tiny.yaml``)::
 
     model:     {family: gpt | bert | unet-segmentation | unet-diffusion, preset: tiny, <any field of the family's config>: value}
-    parallel:  {tp, pp, zero_stage, sequence_parallel, activation_checkpointing, partition_method}
+    parallel:  {tp, pp, ep, zero_stage, sequence_parallel, activation_checkpointing, partition_method}
     training:  {seed, steps, micro_batch_size, global_batch_size, gradient_accumulation_steps, seq_length,
                 lr, min_lr, warmup_steps, weight_decay, adam_beta1, adam_beta2, adam_eps, grad_clip, precision}
     data:      {source: synthetic}
@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from zoo.parallel.topology import check_layout
 
 
 class ConfigError(ValueError):
@@ -48,6 +49,7 @@ class ModelSection:
 class ParallelSection:
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # expert parallel (mixture-of-experts models): experts split over groups of ep data-parallel ranks
     zero_stage: int = 0
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
@@ -249,7 +251,7 @@ def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = N
             cfg.data.tokenizer = tokenizer
     else:
         model = cfg.model.build()
-    for name in ("tp", "pp"):
+    for name in ("tp", "pp", "ep"):
         v = getattr(par, name)
         if not isinstance(v, int) or v < 1:
             raise ConfigError(f"parallel.{name} must be a positive integer, got {v!r}")
@@ -257,12 +259,20 @@ def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = N
         raise ConfigError(f"world size {world_size} is not divisible by tp*pp = {par.tp * par.pp} "
                           f"(tp={par.tp}, pp={par.pp}); launch a multiple of {par.tp * par.pp} processes")
     cfg.dp = world_size // (par.tp * par.pp)
+    moe = getattr(model, "num_experts", 0) > 0
+    if par.ep > 1 and not moe:
+        raise ConfigError(f"parallel.ep {par.ep} needs a mixture-of-experts model (model.num_experts > 0, e.g. "
+                          f"model.preset: tiny-moe); use ep 1 for a dense model")
     try:
-        model.check_layout(par.tp, par.pp)
+        check_layout(world_size, par.tp, par.pp, par.ep)  # ep must divide dp
+        model.check_layout(par.tp, par.pp, **({"ep": par.ep} if moe else {}))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if par.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {par.zero_stage!r}")
+    if moe and par.zero_stage == 3:
+        raise ConfigError("ZeRO stage 3 does not work with mixture-of-experts models (DeepSpeed refuses MoE with "
+                          "ZeRO-3); use parallel.zero_stage 1 or 2")
     if par.pp > 1 and par.zero_stage > 1:
         raise ConfigError(f"ZeRO stage {par.zero_stage} does not work with pipeline parallelism (pp={par.pp}); "
                           f"use zero_stage 0 or 1 with pp > 1, or pp=1 for ZeRO-2/3")
@@ -348,6 +358,9 @@ def deepspeed_config(cfg: RunConfig) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if par.ep > 1 and par.zero_stage in (1, 2):
+        # DeepSpeed's MoE path in ZeRO-1/2 asserts both (its defaults today); say so rather than rely on them.
+        ds["zero_optimization"].update(contiguous_gradients=True, reduce_scatter=True)
     if par.sequence_parallel and par.pp > 1:
         # DeepSpeed's partitioned p2p assumes activations replicated over TP; with SP each rank holds its own shard.
         ds["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}

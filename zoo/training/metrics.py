@@ -7,6 +7,10 @@ Megatron does):
               + 2 nq d h               attention output projection
               + 4 s nq d               scores QK^T and the weighted sum over V
               + 2 h f k                MLP, k = 2 matrices (GELU) or 3 (SwiGLU: gate, up, down)
+    MoE layers (zoo.models.moe) count the parameters one token uses, instead of the MLP:
+              + 2 h E                  router logits over the E experts
+              + K 2 h f_e k            the K = num_experts_per_tok experts the token is routed to
+              + 2 h f_s k [+ 2 h]      the shared expert (and its sigmoid gate), if any
     head:       2 h V                  logits
 
 Training costs 3 forwards (backward = 2), plus one more forward of every block when activations are recomputed.
@@ -28,8 +32,17 @@ def forward_flops_per_token(config, seq_length: int) -> float:
     h, L, s = config.hidden_size, config.num_hidden_layers, seq_length
     d, nq, nkv, f = config.head_dim, config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
     mlp_matrices = 3 if config.activation == "swiglu" else 2
-    per_layer = 2 * h * (nq + 2 * nkv) * d + 2 * nq * d * h + 4 * s * nq * d + 2 * h * f * mlp_matrices
-    return L * per_layer + 2 * h * config.vocab_size
+    attention = 2 * h * (nq + 2 * nkv) * d + 2 * nq * d * h + 4 * s * nq * d
+    mlp = 2 * h * f * mlp_matrices
+    total = 0
+    for i in range(L):
+        if getattr(config, "num_experts", 0) and config.is_moe_layer(i):
+            total += attention + 2 * h * config.num_experts + 2 * h * mlp_matrices * (
+                config.num_experts_per_tok * config.expert_intermediate_size + config.shared_intermediate_size)
+            total += 2 * h * config.shared_expert_gate
+        else:
+            total += attention + mlp
+    return total + 2 * h * config.vocab_size
 
 
 def training_flops_per_token(config, seq_length: int, recompute: bool = False) -> float:

@@ -34,6 +34,7 @@ class RunParser(argparse.ArgumentParser):
         """Layout, steps, intervals, resume, --set."""
         self.add_argument("--tp", type=int, help="tensor-parallel size")
         self.add_argument("--pp", type=int, help="pipeline-parallel size")
+        self.add_argument("--ep", type=int, help="expert-parallel size (mixture-of-experts models; must divide dp)")
         self.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (pp > 1 allows 0 or 1)")
         self.add_argument("--steps", type=int, help="number of optimizer steps (the run's total, also when resuming)")
         self.add_argument("--eval-interval", type=int, metavar="N",
@@ -75,7 +76,7 @@ def process_group(cfg: RunConfig):
     """The (tp, pp) grid of the run, torn down on the way out (also after an error)."""
     from zoo.parallel.topology import destroy_model_parallel, initialize_model_parallel
 
-    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp)
+    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep)
     try:
         yield grid
     finally:

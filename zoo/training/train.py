@@ -10,6 +10,7 @@ Entry point: ``launch/train.py`` (one process, ``torchrun`` or the ``deepspeed``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -74,12 +75,18 @@ def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False, init_
     from zoo.models.specs import SpecSequential
     from zoo.parallel.grad_norm import clip_grad_norm_
     from zoo.parallel.random import configure_activation_checkpointing, model_parallel_seed
+    from zoo.training import moe
     from zoo.training.families import get_family
 
     par, tr = cfg.parallel, cfg.training
     family = get_family(cfg.model.family)
     configure_activation_checkpointing(grid)
-    specs = family.layer_specs(model_cfg, par.sequence_parallel)
+    if par.ep != grid.ep:
+        raise ValueError(f"parallel.ep is {par.ep} but the grid was built with ep={grid.ep}; build it with "
+                         f"initialize_model_parallel(tp, pp, ep)")
+    expert_parallel = grid.ep > 1
+    specs = family.layer_specs(model_cfg, par.sequence_parallel, **({"ep_group": grid.ep_group} if expert_parallel
+                                                                    else {}))
     loss_fn = family.loss(model_cfg)
     if grid.pp > 1:
         module = family.build_pipeline(model_cfg, specs, grid, loss_fn=loss_fn, cfg=cfg)
@@ -97,9 +104,15 @@ def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False, init_
     ds_config = deepspeed_config(cfg)
     if universal:  # resuming a checkpoint saved in another layout (zoo.training.checkpoint)
         ds_config["checkpoint"] = {"load_universal": True}
-    engine, *_ = deepspeed.initialize(model=module, model_parameters=param_groups(module, tr.weight_decay),
-                                      config=ds_config, mpu=mpu,
-                                      lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+    groups = param_groups(module, tr.weight_decay)
+    if expert_parallel:  # DeepSpeed's MoE handling: experts reduced and partitioned over their EDP group
+        moe.mark_expert_params(module, grid.expert_group_name)
+        groups = moe.split_expert_param_groups(groups)
+    with moe.deepspeed_sees_moe() if expert_parallel else contextlib.nullcontext():
+        engine, *_ = deepspeed.initialize(model=module, model_parameters=groups, config=ds_config, mpu=mpu,
+                                          lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+    if expert_parallel:
+        moe.check_expert_gradient_divisor(engine, grid)
     if par.zero_stage == 0 and tr.precision == "fp32" and tr.grad_clip > 0:
         # DeepSpeed's fp32 clipping miscounts pipeline stages > 0 (see zoo.parallel.grad_norm).
         def clip_fp32_gradients():
@@ -284,6 +297,7 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
 
     from zoo.training import checkpoint as ckpt
     from zoo.training.metrics import device_name, peak_memory_gb, peak_tflops
+    from zoo.training.moe import MoETraining
 
     tr = cfg.training
     family = get_family(cfg.model.family)
@@ -292,6 +306,7 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
     init_dir = prepare_init(cfg, grid) if resume is None else None  # a resumed run has its own weights
     engine, loss_fn = build_engine(cfg, model_cfg, grid, universal=resume is not None and universal,
                                    init_dir=init_dir)
+    moe = MoETraining.attach(engine.module, model_cfg, grid, cfg.gradient_accumulation_steps)
     device = get_accelerator().current_device_name()
     gas = cfg.gradient_accumulation_steps
     start = 0
@@ -308,7 +323,8 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
                                         accumulation=gas, dp_rank=grid.dp_rank, dp=grid.dp), device)
 
     metrics = MetricsWriter(out, grid.rank == 0, resume_step=start if resume is not None else None)
-    meta = {"layout": {"tp": grid.tp, "pp": grid.pp, "dp": grid.dp, "zero_stage": cfg.parallel.zero_stage},
+    meta = {"layout": {"tp": grid.tp, "pp": grid.pp, "dp": grid.dp, "ep": grid.ep,
+                       "zero_stage": cfg.parallel.zero_stage},
             "global_batch_size": cfg.global_batch_size, "seq_length": tr.seq_length,
             "model": model_cfg.to_dict(), "tokenizer": data.tokenizer_dir}
 
@@ -355,6 +371,8 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
     for step in range(start, tr.steps):
         t0 = time.perf_counter()
         lr = engine.get_lr()[0]  # the rate this step uses
+        if moe is not None:
+            moe.before_step(engine, tr.precision)
         if grid.pp > 1:
             loss = engine.train_batch(data_iter=batches(step))
         else:
@@ -378,7 +396,8 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
                   "grad_norm": None if grad_norm is None else float(grad_norm),
                   f"{family.unit}_per_s": rate, "tflops_per_device": tflops,
                   "mfu": None if peak is None or tflops is None else tflops / peak,
-                  "peak_memory_gb": peak_memory_gb(), "step_time_s": dt, **reduced_stats(loss_fn, family)}
+                  "peak_memory_gb": peak_memory_gb(), "step_time_s": dt, **reduced_stats(loss_fn, family),
+                  **(moe.after_step() if moe is not None else {})}
         metrics.write(record)
         done = step + 1
         if bar is not None:
@@ -422,9 +441,10 @@ def parse_args(argv=None):
 
 def config_from_args(args) -> RunConfig:
     overrides = list(args.set)
-    for flag, key in (("tp", "parallel.tp"), ("pp", "parallel.pp"), ("zero", "parallel.zero_stage"),
-                      ("steps", "training.steps"), ("eval_interval", "training.eval_interval"),
-                      ("save_interval", "training.save_interval"), ("init", "training.init_from"), ("out", "out")):
+    for flag, key in (("tp", "parallel.tp"), ("pp", "parallel.pp"), ("ep", "parallel.ep"),
+                      ("zero", "parallel.zero_stage"), ("steps", "training.steps"),
+                      ("eval_interval", "training.eval_interval"), ("save_interval", "training.save_interval"),
+                      ("init", "training.init_from"), ("out", "out")):
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{key}={value}")
@@ -484,7 +504,8 @@ def run(args, cfg: RunConfig, model_cfg, resume, universal: bool) -> int:
         count = model_cfg.num_parameters() if hasattr(model_cfg, "num_parameters") else float("nan")
         per_sample = f" x {cfg.training.seq_length} tokens" if family.unit == "tokens" else ""
         start_run(cfg, grid, f"zoo: {cfg.model.family} {count / 1e6:.2f}M parameters | tp={grid.tp} pp={grid.pp} "
-                             f"dp={grid.dp} zero={cfg.parallel.zero_stage} | global batch {cfg.global_batch_size}"
+                             f"dp={grid.dp} " + (f"ep={grid.ep} " if grid.ep > 1 else "") +
+                             f"zero={cfg.parallel.zero_stage} | global batch {cfg.global_batch_size}"
                              f"{per_sample} | {cfg.training.precision} | data: {cfg.data.source}")
         data = build_data(cfg, model_cfg, grid)
         result = train_and_save(cfg, model_cfg, grid, data, resume=resume, universal=universal)

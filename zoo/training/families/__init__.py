@@ -57,6 +57,8 @@ class Family:
         raise ValueError(f"the {self.name} family cannot import {src}")
 
     def layer_specs(self, config, sequence_parallel: bool) -> list:
+        """The model's DeepSpeed layer specs. A family with mixture-of-experts layers also takes ``ep_group``
+        (the grid's expert-parallel group), which the run passes when ep > 1."""
         raise NotImplementedError
 
     def loss(self, config):

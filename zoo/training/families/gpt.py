@@ -36,10 +36,10 @@ class GPTFamily(Family):
 
         hf_to_zoo(src, out)
 
-    def layer_specs(self, config, sequence_parallel):
+    def layer_specs(self, config, sequence_parallel, ep_group=None):
         from zoo.models.gpt import ParallelOptions, layer_specs
 
-        return layer_specs(config, ParallelOptions(sequence_parallel=sequence_parallel))
+        return layer_specs(config, ParallelOptions(sequence_parallel=sequence_parallel, ep_group=ep_group))
 
     def loss(self, config):
         from zoo.models.gpt import GPTLoss
