@@ -157,7 +157,7 @@ def test_expert_bias_steps_like_single_process(dist_run, layout):
 def plain_autograd_grads(model, router_scale_factor=1.0):
     """The first step's gradients by plain autograd, no DeepSpeed: the mean over the step's micro-batches of
     (cross entropy + the router losses), the router losses injected with ``router_scale_factor`` / gas."""
-    from zoo.data.synthetic import micro_batch
+    from zoo.data.batches import micro_batch
     from zoo.models.moe import GPTMoE
     from zoo.models.specs import SpecSequential
     from zoo.parallel.topology import initialize_model_parallel
