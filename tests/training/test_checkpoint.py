@@ -35,7 +35,7 @@ def run_case(overrides, out, resume_step=None, universal=False):
 
     cfg = load(CONFIG, COMMON + list(overrides) + [f"out={out}"])
     model_cfg = validate(cfg, dist.get_world_size())
-    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp)
+    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep)
     resume = find_checkpoint(out, resume_step) if resume_step is not None else None
     return train(cfg, model_cfg, grid, log=lambda s: None, resume=resume, universal=universal)
 

@@ -49,6 +49,8 @@ BAD = [
      r"parallel.zero_stage 1 or 2$"),
     (TINY, ["parallel.ep=2"], 2, r"^parallel.ep 2 needs a mixture-of-experts model \(model.num_experts > 0"),
     (MOE, ["parallel.ep=0"], 1, r"^parallel.ep must be a positive integer, got 0$"),
+    (MOE, ["parallel.ep=2"], 2, r"^checkpoints of expert-parallel runs \(parallel.ep 2\) are not supported yet: add "
+                                r"--set training.save=false, or train at ep 1"),
 ]
 
 
@@ -85,7 +87,7 @@ def test_derived_batch_numbers_and_deepspeed_json():
 
 
 def test_expert_parallel_run_config():
-    cfg = load(MOE, ["parallel.ep=2", "parallel.zero_stage=2", "training.global_batch_size=32"])
+    cfg = load(MOE, ["parallel.ep=2", "parallel.zero_stage=2", "training.global_batch_size=32", "training.save=false"])
     model = validate(cfg, 4)
     assert (cfg.dp, cfg.parallel.ep, model.num_experts) == (4, 2, 8)
     assert model.router_aux_loss_coef > 0, "the shipped MoE job trains with its load-balancing loss"
