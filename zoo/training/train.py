@@ -458,6 +458,9 @@ def resume_plan(cfg: RunConfig, model_cfg, args):
 
     if args.load is None and args.load_step is not None:
         raise ConfigError("--load-step needs --load DIR")
+    if args.load is not None and cfg.parallel.ep > 1:
+        raise ConfigError(f"--load into an expert-parallel layout (ep {cfg.parallel.ep}) is not supported yet; "
+                          f"resume at ep 1 (any tp/pp)")
     if args.load is not None:
         found = ckpt.find_checkpoint(args.load, args.load_step)
     elif cfg.training.save and ckpt.read_latest(Path(cfg.out) / ckpt.CHECKPOINTS) is not None:
