@@ -36,6 +36,31 @@ BAD = [
     (TINY, ["model.family=rnn"], 1, r"^model: model.family 'rnn' is not known; families: \['bert', 'bert-classifier', 'gpt', "),
     (TINY, ["data.source=web"], 1, r"^data.source 'web' is not available for GPT; supported: \['embedded', "),
     (TINY, ["training.init_from=/nonexistent/model"], 1, r"^training.init_from: "),
+    # Context parallelism: one line per problem, before any process group.
+    (TINY, ["parallel.cp=0"], 1, r"^parallel.cp must be a positive integer, got 0$"),
+    (TINY, ["parallel.cp=2", "parallel.cp_algorithm=zigzag"], 2,
+     r"^parallel.cp_algorithm must be one of \['ulysses', 'ring'\], got 'zigzag'$"),
+    (TINY, ["parallel.cp=2", "parallel.tp=2"], 6,
+     r"^world size 6 is not divisible by tp\*cp\*pp = 4 \(tp=2, cp=2, pp=1\); launch a multiple of 4 processes$"),
+    (TINY, ["parallel.cp=4", "training.seq_length=30"], 4,
+     r"^sequence length 30 is not divisible by 4 = cp at cp=4; use a sequence length that is a multiple of 4$"),
+    (TINY, ["parallel.cp=2", "parallel.cp_algorithm=ring", "training.seq_length=34"], 2,
+     r"^sequence length 34 is not divisible by 4 = 2\*cp at cp=2 \(ring: 2 chunks per rank"),
+    (TINY, ["parallel.cp=4", "parallel.tp=2"], 8,
+     r"^Ulysses splits the 2 query heads \(of one TP rank\) over cp=4 ranks and 4 does not divide 2; use a cp that "
+     r"divides it or cp_algorithm='ring'$"),
+    (TINY, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "training.seq_length=34"], 4,
+     r"^training.seq_length 34 / cp 2 = 17 positions per CP rank are not divisible by tp 2, which sequence "
+     r"parallelism needs$"),
+    (TINY, ["parallel.cp=2", "parallel.cp_algorithm=ring", "model.attention_dropout=0.1"], 2,
+     r"^ring attention has no attention dropout \(attention_dropout=0.1\); set model.attention_dropout=0 or "
+     r"parallel.cp_algorithm=ulysses$"),
+    (TINY, ["parallel.cp=2", "model.preset=tiny-moe"], 2,
+     r"^context parallelism \(cp=2\) does not support mixture-of-experts models yet"),
+    (ROOT / "configs/bert/tiny.yaml", ["parallel.cp=2"], 2,
+     r"^context parallelism \(cp=2\) is for the gpt family, not 'bert'; use cp=1"),
+    (ROOT / "configs/unet/segmentation.yaml", ["parallel.cp=2"], 2,
+     r"^context parallelism \(cp=2\) is for the gpt family, not 'unet-segmentation'; use cp=1"),
 ]
 
 
@@ -69,6 +94,27 @@ def test_derived_batch_numbers_and_deepspeed_json():
     assert ds["train_batch_size"] == 32 == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 2
     assert ds["zero_optimization"]["stage"] == 1
     assert ds["pipeline"] == {"pipe_partitioned": False, "grad_partitioned": False}
+
+
+def test_context_parallel_batch_numbers_and_deepspeed_json():
+    """8 ranks at tp=2, cp=2: dp=2 replicas; zoo's global batch counts samples once, DeepSpeed's counts them on each
+    of its dp x cp = 4 data-parallel ranks."""
+    cfg = load(LLAMA, ["parallel.tp=2", "parallel.cp=2", "training.micro_batch_size=2", "training.global_batch_size=8"])
+    validate(cfg, 8)
+    assert (cfg.dp, cfg.gradient_accumulation_steps, cfg.global_batch_size) == (2, 2, 8)
+    ds = deepspeed_config(cfg)
+    assert ds["train_batch_size"] == 16 == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 4
+
+
+def test_cli_cp_flag_refuses_in_one_line(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(ROOT / "launch/train.py"), "--cp", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: world size 1 is not divisible by tp*cp*pp = 2 (tp=1, cp=2, pp=1); launch a multiple "
+                      "of 2 processes"]
+    assert not out.exists(), "a refused run writes nothing"
 
 
 def test_cli_refuses_before_starting_anything(tmp_path):

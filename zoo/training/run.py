@@ -28,12 +28,15 @@ class RunParser(argparse.ArgumentParser):
 
     def __init__(self, prog: str, what: str, more: str):
         super().__init__(prog=prog, description=f"{what} Works in one process, under torchrun and under the deepspeed "
-                                                f"launcher; data parallelism is world_size / (tp x pp). {more}")
+                                                f"launcher; data parallelism is world_size / (tp x cp x pp). {more}")
 
     def add_run_flags(self, *, eval_help: str = "validation loss", load_help: str = "") -> None:
         """Layout, steps, intervals, resume, --set."""
         self.add_argument("--tp", type=int, help="tensor-parallel size")
         self.add_argument("--pp", type=int, help="pipeline-parallel size")
+        self.add_argument("--cp", type=int, help="context-parallel size: each sequence split over cp ranks (GPT)")
+        self.add_argument("--cp-algorithm", choices=["ulysses", "ring"],
+                          help="context-parallel attention: ulysses (all-to-all over heads, the default) or ring")
         self.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (pp > 1 allows 0 or 1)")
         self.add_argument("--steps", type=int, help="number of optimizer steps (the run's total, also when resuming)")
         self.add_argument("--eval-interval", type=int, metavar="N",

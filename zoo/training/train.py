@@ -422,7 +422,8 @@ def parse_args(argv=None):
 
 def config_from_args(args) -> RunConfig:
     overrides = list(args.set)
-    for flag, key in (("tp", "parallel.tp"), ("pp", "parallel.pp"), ("zero", "parallel.zero_stage"),
+    for flag, key in (("tp", "parallel.tp"), ("pp", "parallel.pp"), ("cp", "parallel.cp"),
+                      ("cp_algorithm", "parallel.cp_algorithm"), ("zero", "parallel.zero_stage"),
                       ("steps", "training.steps"), ("eval_interval", "training.eval_interval"),
                       ("save_interval", "training.save_interval"), ("init", "training.init_from"), ("out", "out")):
         value = getattr(args, flag)

@@ -14,6 +14,7 @@ class GPTFamily(Family):
     name = "gpt"
     checkpointable_layers = ("GPTBlock",)
     init_overridable = ("hidden_dropout", "attention_dropout")
+    context_parallel = True
 
     @property
     def config_class(self):
