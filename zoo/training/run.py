@@ -75,10 +75,10 @@ def say(line: str) -> None:
 
 @contextmanager
 def process_group(cfg: RunConfig):
-    """The (tp, pp) grid of the run, torn down on the way out (also after an error)."""
+    """The (tp, pp, cp) grid of the run, torn down on the way out (also after an error)."""
     from zoo.parallel.topology import destroy_model_parallel, initialize_model_parallel
 
-    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp)
+    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cp=cfg.parallel.cp)
     try:
         yield grid
     finally:
