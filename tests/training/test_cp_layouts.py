@@ -106,16 +106,32 @@ def _free_port():
 
 
 def test_torchrun_cp2_matches_single_process(dist_run, tmp_path):
-    expected = reference(dist_run, "llama")
+    """launch/train.py --cp 2 under torchrun: training and validation losses of one process, tokens counted once,
+    and the exported model (written by one rank of the CP group) loads."""
+    evaluation = ["training.eval_interval=5", "training.eval_iters=1"]
+    expected = dist_run(1, train_case, "llama", evaluation, str(tmp_path / "reference"))[0]
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
            str(ROOT / "launch/train.py"), "--config", str(CONFIGS["llama"]), "--out", str(out), "--cp", "2",
-           "--cp-algorithm", "ring", "--set", *COMMON]
+           "--cp-algorithm", "ring", "--set", *COMMON, *evaluation, "training.save=true"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
     assert "done: metrics in" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "dp=1 cp=2 (ring)" in proc.stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    torch.testing.assert_close(torch.tensor([r["loss"] for r in records]), torch.tensor(expected), rtol=1e-5, atol=0)
+    train = [r for r in records if "loss" in r]
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in train]), torch.tensor(expected), rtol=1e-5, atol=0)
+    ref_records = [json.loads(line) for line in (tmp_path / "reference/metrics.jsonl").read_text().splitlines()]
+    val, ref_val = ([(r["step"], r["val_loss"]) for r in rs if "val_loss" in r] for rs in (records, ref_records))
+    assert [s for s, _ in val] == [s for s, _ in ref_val] == [0, 5]
+    torch.testing.assert_close(torch.tensor([v for _, v in val]), torch.tensor([v for _, v in ref_val]), rtol=1e-5,
+                               atol=0)
     # Throughput counts the global batch's tokens once: 2 sequences x 256 per step, whatever cp is.
-    for r in records:
+    for r in train:
         assert r["tokens_per_s"] == pytest.approx(2 * 256 / r["step_time_s"], rel=1e-6)
+
+    from zoo.convert.io import load_model, read_config
+    from zoo.models.gpt import GPTConfig, ParallelOptions, layer_specs
+    from zoo.models.specs import SpecSequential
+
+    model = SpecSequential(layer_specs(GPTConfig.from_dict(read_config(out / "model")[1]), ParallelOptions()))
+    load_model(out / "model", model)
