@@ -106,22 +106,16 @@ def test_context_parallel_batch_numbers_and_deepspeed_json():
     assert ds["train_batch_size"] == 16 == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 4
 
 
-def test_cli_cp_flag_refuses_in_one_line(tmp_path):
+@pytest.mark.parametrize("flags,error", [
+    (["--tp", "3"], "error: world size 1 is not divisible by tp*pp = 3 (tp=3, pp=1); launch a multiple of 3 processes"),
+    (["--cp", "2"], "error: world size 1 is not divisible by tp*cp*pp = 2 (tp=1, cp=2, pp=1); launch a multiple of 2 "
+                    "processes"),
+], ids=["tp", "cp"])
+def test_cli_refuses_before_starting_anything(tmp_path, flags, error):
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(ROOT / "launch/train.py"), "--cp", "2", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / "launch/train.py"), *flags, "--out", str(out)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: world size 1 is not divisible by tp*cp*pp = 2 (tp=1, cp=2, pp=1); launch a multiple "
-                      "of 2 processes"]
-    assert not out.exists(), "a refused run writes nothing"
-
-
-def test_cli_refuses_before_starting_anything(tmp_path):
-    out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(ROOT / "launch/train.py"), "--tp", "3", "--out", str(out)],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: world size 1 is not divisible by tp*pp = 3 (tp=3, pp=1); launch a multiple of 3 processes"]
+    assert errors == [error]
     assert not out.exists(), "a refused run writes nothing"
