@@ -4,8 +4,8 @@ As tests/training/test_gpt_layouts.py: 5 steps from the same seed on the same gl
 synthetic tokens), fp32; the losses of every rank must agree with the single-process run within 1e-5 relative at
 every step. One reference run per model serves every layout. Ulysses and ring at cp=2 and cp=4, and cp=2 with tp=2 +
 sequence parallelism, with pp=2, with dp=2 under ZeRO-2, and with activation checkpointing. Then a checkpoint saved
-at cp=2 (ZeRO-1) resumes at cp=1 (DeepSpeed's data-parallel size 2 -> 1: the universal checkpoint), and the CLI
-(torchrun, ``--cp 2``) trains the same losses.
+at cp=2 (ZeRO-1) resumes at cp=1 (DeepSpeed's data-parallel size 2 -> 1: the universal checkpoint), one saved with
+dropout resumes at cp=2 exactly (each CP rank's RNG), and the CLI (torchrun, ``--cp 2``) trains the same losses.
 """
 
 import json
@@ -27,9 +27,9 @@ COMMON = [f"training.steps={STEPS}", "training.micro_batch_size=1", "training.gl
           "training.log_interval=1", "parallel.zero_stage=0"]
 
 
-def train_case(model, overrides, out, resume_step=None):
-    """Train in this worker with the layout given by overrides (resume ``out``'s checkpoint ``resume_step`` through
-    the universal checkpoint); returns the per-step losses."""
+def train_case(model, overrides, out, resume_step=None, same_layout=False):
+    """Train in this worker with the layout given by overrides (resume ``out``'s checkpoint ``resume_step``, through
+    the universal checkpoint unless ``same_layout``); returns the per-step losses."""
     import torch.distributed as dist
 
     from zoo.parallel.topology import initialize_model_parallel
@@ -41,7 +41,8 @@ def train_case(model, overrides, out, resume_step=None):
     model_cfg = validate(cfg, dist.get_world_size())
     grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cp=cfg.parallel.cp)
     resume = None if resume_step is None else find_checkpoint(out, resume_step)
-    return train(cfg, model_cfg, grid, log=lambda s: None, resume=resume, universal=resume is not None)
+    universal = resume is not None and not same_layout
+    return train(cfg, model_cfg, grid, log=lambda s: None, resume=resume, universal=universal)
 
 
 LAYOUTS = {  # name: (world size, overrides)
@@ -53,7 +54,8 @@ LAYOUTS = {  # name: (world size, overrides)
                             "parallel.sequence_parallel=true"]),
     "cp2-pp2": (4, ["parallel.cp=2", "parallel.pp=2"]),
     "cp2-dp2-zero2": (4, ["parallel.cp=2", "parallel.zero_stage=2"]),
-    "cp2-recompute-ring": (2, ["parallel.cp=2", "parallel.cp_algorithm=ring", "parallel.activation_checkpointing=true"]),
+    "cp2-recompute-ring": (2, ["parallel.cp=2", "parallel.cp_algorithm=ring",
+                               "parallel.activation_checkpointing=true"]),
 }
 
 _reference_cache = {}
@@ -97,6 +99,16 @@ def test_cp2_checkpoint_resumes_at_cp1(dist_run, tmp_path, model):
     assert len(resumed) == STEPS - 3
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(unbroken[3:]), rtol=1e-5, atol=0)
     assert (Path(out) / "checkpoints" / "step_00000003_universal" / "zoo.json").is_file()
+
+
+def test_cp2_resume_with_dropout_restores_every_cp_ranks_rng(dist_run, tmp_path):
+    """Dropout draws per CP rank (other tokens): resumed in the same layout, each CP rank gets its own streams back,
+    so the remaining losses are the unbroken run's exactly (a rank given another's streams would draw other masks)."""
+    out = str(tmp_path / "run")
+    dropout = ["parallel.cp=2", "model.hidden_dropout=0.1", "model.attention_dropout=0.1"]
+    unbroken = dist_run(2, train_case, "llama", dropout + ["training.save=true", "training.save_interval=3"], out)[0]
+    resumed = dist_run(2, train_case, "llama", dropout, out, 3, same_layout=True)[0]
+    assert resumed == unbroken[3:]
 
 
 def _free_port():
