@@ -60,3 +60,31 @@ def checkpoint_case(tp):
 
 def test_activation_checkpointing_replays_both_streams(dist_run):
     assert all(dist_run(2, checkpoint_case, 2))
+
+
+def cp_masks_case(seed):
+    from zoo.parallel.topology import initialize_model_parallel
+
+    grid = initialize_model_parallel(tp=2, cp=2)  # 4 ranks: tp2 x cp2
+    masks = []
+    for cp_rank in (grid.cp_rank, 0):  # this rank's streams, then those the same rank has without CP
+        model_parallel_seed(seed, grid.tp_rank, cp_rank)
+        ones = torch.ones(4096)
+        with tensor_parallel_rng():
+            tp_mask = F.dropout(ones, 0.5) > 0
+        masks += [tp_mask, F.dropout(ones, 0.5) > 0]
+    model_parallel_seed(seed, grid.tp_rank)
+    with tensor_parallel_rng():
+        plain = F.dropout(torch.ones(4096), 0.5) > 0
+    return grid.tp_rank, grid.cp_rank, masks, plain
+
+
+def test_masks_differ_across_cp_and_cp_rank_0_is_unchanged(dist_run):
+    results = dist_run(4, cp_masks_case, 7)
+    tp_masks = {(t, c): m[0] for t, c, m, _ in results}
+    default_masks = {(t, c): m[1] for t, c, m, _ in results}
+    assert len({tuple(m.tolist()) for m in tp_masks.values()}) == 4, "every (tp, cp) rank has its own TP stream"
+    assert torch.equal(default_masks[0, 0], default_masks[1, 0]), "the default stream is shared over TP"
+    assert not torch.equal(default_masks[0, 0], default_masks[0, 1]), "CP ranks hold other tokens: other masks"
+    for _, _, (_, _, tp_at_0, _), plain in results:
+        assert torch.equal(tp_at_0, plain), "cp_rank 0 seeds exactly as before"

@@ -133,6 +133,58 @@ def test_bad_grid_under_a_launch(dist_run):
     assert all(dist_run(4, bad_grid_case))
 
 
+@pytest.mark.parametrize("world,tp,pp,cp,dp", [(4, 1, 1, 2, 2), (8, 2, 1, 2, 2), (8, 1, 2, 4, 1), (16, 2, 2, 2, 2)])
+def test_check_layout_with_context_parallelism(world, tp, pp, cp, dp):
+    assert check_layout(world, tp, pp, cp=cp) == dp
+
+
+def test_bad_context_layouts_fail_with_one_line():
+    with pytest.raises(LayoutError, match=r"^world size 4 is not divisible by tp\*cp\*pp = 8 \(tp=2, cp=2, pp=2\); "
+                                          r"launch a multiple of 8 processes$"):
+        check_layout(4, 2, 2, cp=2)
+    with pytest.raises(LayoutError, match=r"^cp must be a positive integer, got 0$"):
+        check_layout(4, 1, 1, cp=0)
+
+
+def context_grid_case(tp, pp, cp):
+    grid = initialize_model_parallel(tp, pp, cp=cp)
+    rank, dp = dist.get_rank(), grid.dp
+    # Rank order: tp fastest, then cp, then dp, then pp.
+    assert (grid.tp_rank, grid.cp_rank, grid.dp_rank, grid.pp_rank) == (
+        rank % tp, rank // tp % cp, rank // (tp * cp) % dp, rank // (tp * cp * dp))
+    base = rank - grid.cp_rank * tp  # cp rank 0 of this rank's CP group
+    assert grid.cp_ranks == tuple(base + c * tp for c in range(cp))
+    assert grid.dp_ranks == tuple(rank - (grid.dp_rank - d) * tp * cp for d in range(dp))
+    for group, members in ((grid.cp_group, grid.cp_ranks), (grid.dp_group, grid.dp_ranks),
+                           (grid.tp_group, grid.tp_ranks), (grid.pp_group, grid.pp_ranks),
+                           (grid.get_data_parallel_group(), None)):
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=group)
+        if members is not None:
+            assert t.item() == sum(members), (members, t.item())
+    # DeepSpeed sees dp x cp as its data parallelism; the model-parallel group stays pipe x tensor.
+    assert grid.get_data_parallel_world_size() == dp * cp
+    assert grid.get_data_parallel_rank() == grid.dp_rank * cp + grid.cp_rank
+    assert grid.get_model_parallel_world_size() == tp * pp
+    assert grid.topology.get_dim("data") == dp * cp
+    return grid.tp_rank, grid.cp_rank, grid.dp_rank, grid.pp_rank
+
+
+@pytest.mark.parametrize("tp,pp,cp", [(1, 1, 2), (1, 1, 4), (2, 1, 2), (1, 2, 2)])
+def test_context_parallel_grid_on_four_ranks(dist_run, tp, pp, cp):
+    coords = dist_run(4, context_grid_case, tp, pp, cp)
+    assert len(set(coords)) == 4, "every rank has its own (tp, cp, dp, pp) coordinate"
+
+
+def no_context_group_case():
+    grid = initialize_model_parallel(2, 1)
+    return grid.cp, grid.cp_group, grid.cp_ranks == (dist.get_rank(),), grid.dp_group is grid.get_data_parallel_group()
+
+
+def test_cp1_grid_has_no_context_group(dist_run):
+    assert dist_run(2, no_context_group_case) == [(1, None, True, True)] * 2
+
+
 SCRIPT = """
 import torch, torch.distributed as dist
 from zoo.parallel import initialize_model_parallel, destroy_model_parallel

@@ -51,6 +51,31 @@ BAD = [
     (MOE, ["parallel.ep=0"], 1, r"^parallel.ep must be a positive integer, got 0$"),
     (MOE, ["parallel.ep=2"], 2, r"^checkpoints of expert-parallel runs \(parallel.ep 2\) are not supported yet: add "
                                 r"--set training.save=false, or train at ep 1"),
+    # Context parallelism: one line per problem, before any process group.
+    (TINY, ["parallel.cp=0"], 1, r"^parallel.cp must be a positive integer, got 0$"),
+    (TINY, ["parallel.cp=2", "parallel.cp_algorithm=zigzag"], 2,
+     r"^parallel.cp_algorithm must be one of \['ulysses', 'ring'\], got 'zigzag'$"),
+    (TINY, ["parallel.cp=2", "parallel.tp=2"], 6,
+     r"^world size 6 is not divisible by tp\*cp\*pp = 4 \(tp=2, cp=2, pp=1\); launch a multiple of 4 processes$"),
+    (TINY, ["parallel.cp=4", "training.seq_length=30"], 4,
+     r"^sequence length 30 is not divisible by 4 = cp at cp=4; use a sequence length that is a multiple of 4$"),
+    (TINY, ["parallel.cp=2", "parallel.cp_algorithm=ring", "training.seq_length=34"], 2,
+     r"^sequence length 34 is not divisible by 4 = 2\*cp at cp=2 \(ring: 2 chunks per rank"),
+    (TINY, ["parallel.cp=4", "parallel.tp=2"], 8,
+     r"^Ulysses splits the 2 query heads \(of one TP rank\) over cp=4 ranks and 4 does not divide 2; use a cp that "
+     r"divides it or cp_algorithm='ring'$"),
+    (TINY, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "training.seq_length=34"], 4,
+     r"^training.seq_length 34 / cp 2 = 17 positions per CP rank are not divisible by tp 2, which sequence "
+     r"parallelism needs$"),
+    (TINY, ["parallel.cp=2", "parallel.cp_algorithm=ring", "model.attention_dropout=0.1"], 2,
+     r"^ring attention has no attention dropout \(attention_dropout=0.1\); set model.attention_dropout=0 or "
+     r"parallel.cp_algorithm=ulysses$"),
+    (TINY, ["parallel.cp=2", "model.preset=tiny-moe"], 2,
+     r"^context parallelism \(cp=2\) does not support mixture-of-experts models yet"),
+    (ROOT / "configs/bert/tiny.yaml", ["parallel.cp=2"], 2,
+     r"^context parallelism \(cp=2\) is for the gpt family, not 'bert'; use cp=1"),
+    (ROOT / "configs/unet/segmentation.yaml", ["parallel.cp=2"], 2,
+     r"^context parallelism \(cp=2\) is for the gpt family, not 'unet-segmentation'; use cp=1"),
 ]
 
 
@@ -95,11 +120,26 @@ def test_expert_parallel_run_config():
     assert zero == {"stage": 2, "contiguous_gradients": True, "reduce_scatter": True}  # DeepSpeed's MoE ZeRO asserts
 
 
-def test_cli_refuses_before_starting_anything(tmp_path):
+def test_context_parallel_batch_numbers_and_deepspeed_json():
+    """8 ranks at tp=2, cp=2: dp=2 replicas; zoo's global batch counts samples once, DeepSpeed's counts them on each
+    of its dp x cp = 4 data-parallel ranks."""
+    cfg = load(LLAMA, ["parallel.tp=2", "parallel.cp=2", "training.micro_batch_size=2", "training.global_batch_size=8"])
+    validate(cfg, 8)
+    assert (cfg.dp, cfg.gradient_accumulation_steps, cfg.global_batch_size) == (2, 2, 8)
+    ds = deepspeed_config(cfg)
+    assert ds["train_batch_size"] == 16 == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 4
+
+
+@pytest.mark.parametrize("flags,error", [
+    (["--tp", "3"], "error: world size 1 is not divisible by tp*pp = 3 (tp=3, pp=1); launch a multiple of 3 processes"),
+    (["--cp", "2"], "error: world size 1 is not divisible by tp*cp*pp = 2 (tp=1, cp=2, pp=1); launch a multiple of 2 "
+                    "processes"),
+], ids=["tp", "cp"])
+def test_cli_refuses_before_starting_anything(tmp_path, flags, error):
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(ROOT / "launch/train.py"), "--tp", "3", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / "launch/train.py"), *flags, "--out", str(out)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: world size 1 is not divisible by tp*pp = 3 (tp=3, pp=1); launch a multiple of 3 processes"]
+    assert errors == [error]
     assert not out.exists(), "a refused run writes nothing"

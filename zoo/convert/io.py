@@ -424,6 +424,7 @@ def save_model(folder: str | os.PathLike, module: torch.nn.Module, grid, family:
         for n in stage_names:
             owner.setdefault(n, stage)
     writer_rank = tp_rank == 0 and dp_rank == 0  # data-parallel rank 0 is also expert-parallel rank 0
+    writer_rank = writer_rank and getattr(grid, "cp_rank", 0) == 0  # CP ranks hold the same weights
     writer = ShardedWriter(staging, prefix=f"model-stage{pp_rank:03d}", max_shard_bytes=max_shard_bytes)
     for name, param in tensors.items():
         full = full_param(param, tp_group, ep_group)  # collective over TP (ZeRO-3: DP; experts: EP)

@@ -3,10 +3,13 @@
 Step t of a run with global batch G uses samples ``[t*G, (t+1)*G)`` of the (index-addressable) dataset, cut into
 micro-batches per data-parallel rank (Megatron's pretraining sampler, without the shuffle: the datasets shuffle
 themselves), so a step's global batch is the same in every (tp, pp, dp) layout and a resumed run continues from its
-step number alone.
+step number alone. With context parallelism the cp ranks of a replica read the same micro-batch (the true dp rank
+and size pick it) and each keeps its share of every sequence (:func:`context_parallel_share`).
 """
 
 import torch
+
+from zoo.parallel.context_parallel import split_sequence
 
 
 def micro_batch(dataset, step: int, micro: int, *, micro_batch_size: int, accumulation: int, dp_rank: int, dp: int):
@@ -39,3 +42,14 @@ def to_device(batch, device):
     if isinstance(batch, (tuple, list)):
         return tuple(to_device(b, device) for b in batch)
     return batch.to(device)
+
+
+def context_parallel_share(batch, cp_rank: int, cp: int, algorithm: str):
+    """CP rank ``cp_rank``'s share of a micro-batch: each tensor ``[b, s]`` (inputs, and labels already shifted, so
+    every rank's labels are its own positions' next tokens) split along the sequence, ``[b, s/cp]``, by
+    ``zoo.parallel.context_parallel.split_sequence`` (contiguous for Ulysses, the balanced chunks for ring)."""
+    if cp == 1:
+        return batch
+    if isinstance(batch, (tuple, list)):
+        return tuple(context_parallel_share(b, cp_rank, cp, algorithm) for b in batch)
+    return split_sequence(batch, 1, cp_rank, cp, algorithm)

@@ -10,6 +10,10 @@ Two streams exist on every rank:
 
 Both streams depend only on ``seed`` and the TP rank, so data-parallel replicas agree and runs repeat.
 
+With context parallelism each CP rank holds other tokens, so both streams are offset by ``cp_rank`` (a large odd
+stride, far from the TP offsets): hidden dropout draws another mask per CP rank, as one process draws other values
+for other positions. At ``cp_rank = 0`` (and so without CP) the seeds are exactly those above.
+
 The tracker is DeepSpeed's own (``deepspeed.runtime.activation_checkpointing.checkpointing``): DeepSpeed's
 activation checkpointing saves and restores exactly this tracker around recomputation, so a recomputed block
 draws the same dropout masks as its first forward pass.
@@ -27,6 +31,7 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_check
 
 TENSOR_PARALLEL_RNG = "model-parallel-rng"  # DeepSpeed's (and Megatron's) name for the stream
 _TP_SEED_OFFSET = 2718
+_CP_SEED_STRIDE = 1_000_003  # per CP rank, on both streams
 
 
 def get_rng_tracker():
@@ -34,18 +39,20 @@ def get_rng_tracker():
     return ds_checkpointing.get_cuda_rng_tracker()
 
 
-def model_parallel_seed(seed: int, tp_rank: int = 0) -> None:
+def model_parallel_seed(seed: int, tp_rank: int = 0, cp_rank: int = 0) -> None:
     """Seed Python, NumPy, the default torch generators and the tensor-parallel stream.
 
-    Call it on every rank with the same ``seed``; ``tp_rank`` comes from the grid.
+    Call it on every rank with the same ``seed``; ``tp_rank`` and ``cp_rank`` come from the grid. Python and NumPy
+    get ``seed`` on every rank; the torch streams are offset by the CP rank (module docstring).
     """
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-    get_accelerator().manual_seed_all(seed)
+    torch_seed = seed + _CP_SEED_STRIDE * cp_rank
+    torch.manual_seed(torch_seed)
+    get_accelerator().manual_seed_all(torch_seed)
     tracker = get_rng_tracker()
     tracker.reset()
-    tracker.add(TENSOR_PARALLEL_RNG, seed + _TP_SEED_OFFSET + tp_rank)
+    tracker.add(TENSOR_PARALLEL_RNG, torch_seed + _TP_SEED_OFFSET + tp_rank)
 
 
 @contextlib.contextmanager

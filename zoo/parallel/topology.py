@@ -1,4 +1,5 @@
-"""One process grid for tensor x pipeline x data parallelism, with expert parallelism inside data parallelism.
+"""One process grid for tensor x context x data x pipeline parallelism, with expert parallelism inside data
+parallelism.
 
 The grid is DeepSpeed's ``PipeModelDataParallelTopology(num_pp, num_mp=tp, num_dp)``. Its axes are
 ``(pipe, data, model)`` with ``model`` (= tensor parallel) varying fastest, so the ranks of one TP group are
@@ -28,6 +29,30 @@ With ep > 1 the grid also puts its EP and EDP groups into DeepSpeed's own caches
 under the name ``ep_size_<ep>``), which DeepSpeed's MoE-aware gradient reduction and ZeRO partitioning read, so
 DeepSpeed reduces expert gradients over exactly these groups.
 
+Context parallelism (cp > 1, :mod:`zoo.parallel.context_parallel`) lives inside DeepSpeed's data axis. The
+topology is built with ``num_dp = dp x cp``, and data index ``i = dp_rank x cp + cp_rank``: the cp ranks of one
+replica are consecutive data indices (CP groups), the true data-parallel groups take every cp-th one. Rank order is
+tp fastest, then cp, then dp, then pp. For 8 ranks at tp=2, cp=2 (dp=2, pp=1):
+
+    rank:   0 1 2 3 4 5 6 7
+    data:   0 0 1 1 2 2 3 3     DeepSpeed's data axis, dp x cp
+    dp:     0 0 0 0 1 1 1 1     true data parallelism: which samples
+    cp:     0 0 1 1 0 0 1 1     which part of each sequence
+    tp:     0 1 0 1 0 1 0 1
+
+    TP groups {0,1} {2,3} {4,5} {6,7}; CP groups {0,2} {1,3} {4,6} {5,7}; DP groups {0,4} {1,5} {2,6} {3,7};
+    DeepSpeed's data-parallel groups (dp x cp) {0,2,4,6} {1,3,5,7}.
+
+Two meanings of "data parallel", kept apart on purpose:
+
+- ``grid.dp``, ``grid.dp_rank``, ``grid.dp_group`` are the *true* data parallelism (different samples): data loading
+  and the logged loss use them; the cp ranks of a replica read the same samples and split each sequence.
+- the mpu's ``get_data_parallel_group/world_size/rank`` (what DeepSpeed reduces gradients over, partitions ZeRO
+  over and counts ``train_batch_size`` with) are the dp x cp group: parameters are replicated over CP, and each cp
+  rank's gradient is one share of the sequence's loss whose *average* over CP is the whole gradient (``GPTLoss``).
+
+At cp = 1 both are the same group and the grid is exactly the (tp, pp, dp) grid; ``cp_group`` is then None.
+
 Layers never read the grid while running: they take ``tp_group=None`` and resolve it once, when built, through
 :func:`get_tensor_model_parallel_group` (``None`` when no grid exists, i.e. a single process).
 """
@@ -47,24 +72,25 @@ class LayoutError(ValueError):
     """A parallel layout that cannot be built; the message is one line naming the numbers and the fix."""
 
 
-def check_layout(world_size: int, tp: int = 1, pp: int = 1, ep: int = 1) -> int:
-    """Validate a (world size, tp, pp, ep) layout and return the data-parallel size."""
+def check_layout(world_size: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1) -> int:
+    """Validate a (world size, tp, pp, ep, cp) layout and return the (true) data-parallel size."""
     for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("world size", world_size)):
         if not isinstance(value, int) or value < 1:
             raise LayoutError(f"{name} must be a positive integer, got {value!r}")
+    _check_context_layout(world_size, tp, pp, cp)
     if world_size % (tp * pp):
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise LayoutError(
             f"world size {world_size} is not divisible by tp*pp = {tp * pp}; "
             f"launch a multiple of {tp * pp} processes or pick tp*pp in {divisors}"
         )
-    dp = world_size // (tp * pp)
+    dp = world_size // (tp * pp * cp)
     if dp % ep:
         divisors = [d for d in range(1, dp + 1) if dp % d == 0]
         raise LayoutError(
-            f"ep {ep} does not divide the data-parallel size {dp} (world size {world_size} / tp*pp {tp * pp}); "
-            f"expert-parallel groups are carved out of the data-parallel ranks: pick ep in {divisors} or launch "
-            f"a multiple of tp*pp*ep = {tp * pp * ep} processes"
+            f"ep {ep} does not divide the data-parallel size {dp} (world size {world_size} / tp*pp {tp * pp}"
+            + (f" / cp {cp}" if cp > 1 else "") + "); expert-parallel groups are carved out of the data-parallel "
+            f"ranks: pick ep in {divisors} or launch a multiple of tp*pp*ep = {tp * pp * ep * cp} processes"
         )
     return dp
 
@@ -78,6 +104,14 @@ def expert_parallel_rank_lists(data_parallel_lists, ep: int) -> tuple[list, list
         ep_lists += chunks
         edp_lists += [list(r) for r in zip(*chunks)]
     return ep_lists, edp_lists
+
+
+def _check_context_layout(world_size: int, tp: int, pp: int, cp: int) -> None:
+    if not isinstance(cp, int) or cp < 1:
+        raise LayoutError(f"cp must be a positive integer, got {cp!r}")
+    if cp > 1 and world_size % (tp * cp * pp):
+        raise LayoutError(f"world size {world_size} is not divisible by tp*cp*pp = {tp * cp * pp} "
+                          f"(tp={tp}, cp={cp}, pp={pp}); launch a multiple of {tp * cp * pp} processes")
 
 
 def init_distributed(timeout_minutes: float | None = None) -> None:
@@ -127,33 +161,47 @@ class _Axis:
 
 
 class ParallelGrid:
-    """Process groups and ranks of one (tp, pp, dp, ep) layout; also DeepSpeed's ``mpu`` interface."""
+    """Process groups and ranks of one (tp, pp, dp, ep, cp) layout; also DeepSpeed's ``mpu`` interface."""
 
-    def __init__(self, tp: int = 1, pp: int = 1, ep: int = 1):
+    def __init__(self, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1):
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized; call zoo.parallel.topology.init_distributed() first")
         world_size = dist.get_world_size()
-        self.tp, self.pp, self.ep, self.dp = tp, pp, ep, check_layout(world_size, tp, pp, ep)
+        self.tp, self.pp, self.ep, self.dp = tp, pp, ep, check_layout(world_size, tp, pp, ep, cp)
+        self.cp = cp
         self.world_size = world_size
         self.rank = dist.get_rank()
-        self.topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=self.dp)
+        self.topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=self.dp * cp)
 
         # Every rank must call new_group for every group, in the same order.
         self._tp = self._build_axis(self.topology.get_axis_comm_lists("model"))
         self._pp = self._build_axis(self.topology.get_axis_comm_lists("pipe"))
         self._dp = self._build_axis(self.topology.get_axis_comm_lists("data"))
-        mp_lists = [self.topology.filter_match(data=d) for d in range(self.dp)]  # pipe x tensor, one per replica
+        mp_lists = [self.topology.filter_match(data=d) for d in range(self.dp * cp)]  # pipe x tensor, per replica
         self._mp = self._build_axis(mp_lists)
-        if ep > 1:
-            ep_lists, edp_lists = expert_parallel_rank_lists(self.topology.get_axis_comm_lists("data"), ep)
+        self._data = self._dp  # DeepSpeed's data axis: dp x cp
+        self._cp, self._dp, dp_lists = self._build_context_axes()
+        if ep > 1:  # experts split over ranks that see different samples: the true data-parallel groups
+            ep_lists, edp_lists = expert_parallel_rank_lists(dp_lists, ep)
             self._ep = self._build_axis(ep_lists)
             self._edp = self._build_axis(edp_lists)
             self.register_expert_groups()
         else:  # no expert parallelism: no EP group (layers take None), experts are averaged like any weight
             self._ep = _Axis(0, 1, None, (self.rank,))
             self._edp = self._dp
+
+    def _build_context_axes(self) -> tuple[_Axis, _Axis, list]:
+        """(CP axis, true DP axis, the true DP rank lists), carved from DeepSpeed's data axis; at cp = 1: no CP
+        group, DP = the data axis."""
+        cp = self.cp
+        data_lists = self.topology.get_axis_comm_lists("data")  # ranks ordered by data index = dp_rank * cp + cp_rank
+        if cp == 1:
+            return _Axis(0, 1, None, (self.rank,)), self._data, data_lists
+        cp_axis = self._build_axis([ranks[i:i + cp] for ranks in data_lists for i in range(0, len(ranks), cp)])
+        dp_lists = [ranks[c::cp] for ranks in data_lists for c in range(cp)]
+        return cp_axis, self._build_axis(dp_lists), dp_lists
 
     @property
     def expert_group_name(self) -> str:
@@ -198,12 +246,16 @@ class ParallelGrid:
     edp_rank = property(lambda self: self._edp.rank)  # expert data parallel: the DP group when ep == 1
     edp_group = property(lambda self: self._edp.group)
     edp_ranks = property(lambda self: self._edp.ranks)
+    cp_rank = property(lambda self: self._cp.rank)
+    cp_group = property(lambda self: self._cp.group)  # None at cp = 1
+    cp_ranks = property(lambda self: self._cp.ranks)
     is_first_stage = property(lambda self: self._pp.rank == 0)
     is_last_stage = property(lambda self: self._pp.rank == self.pp - 1)
 
     def __repr__(self):
         return (f"ParallelGrid(rank={self.rank}, tp={self.tp_rank}/{self.tp}, pp={self.pp_rank}/{self.pp}, "
-                f"dp={self.dp_rank}/{self.dp}, ep={self.ep_rank}/{self.ep})")
+                f"dp={self.dp_rank}/{self.dp}, ep={self.ep_rank}/{self.ep}"
+                + (f", cp={self.cp_rank}/{self.cp})" if self.cp > 1 else ")"))
 
     # ---- the mpu interface (DeepSpeed engine, ZeRO, activation checkpointing) ---------------------------
     def get_tensor_model_parallel_rank(self):
@@ -228,14 +280,15 @@ class ParallelGrid:
     def get_model_parallel_group(self):
         return self._mp.group
 
+    # DeepSpeed's data parallelism is dp x cp (module docstring); zoo's own code uses dp_rank / dp_group.
     def get_data_parallel_rank(self):
-        return self._dp.rank
+        return self._data.rank
 
     def get_data_parallel_world_size(self):
-        return self._dp.world_size
+        return self._data.world_size
 
     def get_data_parallel_group(self):
-        return self._dp.group
+        return self._data.group
 
     def get_pipe_parallel_rank(self):
         return self._pp.rank
@@ -269,11 +322,11 @@ class ParallelGrid:
         return self._edp.group
 
 
-_GRIDS: dict[tuple[int, int, int], ParallelGrid] = {}
+_GRIDS: dict[tuple[int, ...], ParallelGrid] = {}
 _CURRENT: ParallelGrid | None = None
 
 
-def initialize_model_parallel(tp: int = 1, pp: int = 1, ep: int = 1) -> ParallelGrid:
+def initialize_model_parallel(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1) -> ParallelGrid:
     """Build (or reuse) the grid for this layout and make it the default for layers built afterwards.
 
     Starts torch.distributed first when needed, so it works in one plain process with no launcher.
@@ -281,14 +334,14 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1, ep: int = 1) -> Parallel
     """
     global _CURRENT
     if dist.is_available() and dist.is_initialized():
-        check_layout(dist.get_world_size(), tp, pp, ep)
+        check_layout(dist.get_world_size(), tp, pp, ep, cp)
     else:
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        check_layout(world, tp, pp, ep)
+        check_layout(world, tp, pp, ep, cp)
         init_distributed()
-    key = (tp, pp, ep)
+    key = (tp, pp, ep, cp)
     if key not in _GRIDS:
-        _GRIDS[key] = ParallelGrid(tp, pp, ep)
+        _GRIDS[key] = ParallelGrid(tp, pp, ep, cp)
     _CURRENT = _GRIDS[key]
     _CURRENT.register_expert_groups()  # another grid with this ep may have registered its own groups since
     return _CURRENT

@@ -13,9 +13,11 @@ at any moment leaves ``latest`` naming a complete checkpoint.
 Exact resume: besides what DeepSpeed stores, each model-parallel rank stores its RNG states (Python, NumPy, torch
 CPU and accelerator, and the tensor-parallel dropout tracker) in ``client_state``; the data order is a pure function
 of the step (``zoo.data``), so the step number is the data position. Loaded into the same layout, the remaining
-steps repeat the uninterrupted run bit for bit.
+steps repeat the uninterrupted run bit for bit. DeepSpeed writes the client state once per data-parallel group
+(dp x cp), and the CP ranks of a replica draw from other streams (``zoo.parallel.random``), so with context
+parallelism the states of all CP ranks are stored (``rng_by_cp_rank``) and each rank restores its own.
 
-Another layout (tp, pp or, with ZeRO, dp changed): the checkpoint is converted once with DeepSpeed's
+Another layout (tp, pp or, with ZeRO, dp x cp changed): the checkpoint is converted once with DeepSpeed's
 ``ds_to_universal`` (rank 0, cached beside it) and loaded with ``checkpoint.load_universal``. DeepSpeed needs to
 know how each parameter is split; :func:`universal_checkpoint_info` gives that as name patterns. RNG states are
 per-rank and cannot be carried to a different set of ranks; they are re-seeded from the step instead.
@@ -34,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from zoo.parallel.shards import barrier, global_rank
+from zoo.parallel.shards import barrier, gather_objects, global_rank
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -180,16 +182,19 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(engine, root: Path, step: int, meta: dict, client_state: dict, keep_last: int | None = None) -> Path:
-    """Collective: every rank calls it. Returns the checkpoint folder."""
+def save_checkpoint(engine, root: Path, step: int, meta: dict, client_state: dict, keep_last: int | None = None,
+                    cp_group=None) -> Path:
+    """Collective: every rank calls it. Returns the checkpoint folder. ``cp_group``: the grid's CP group (or None)."""
     tag = tag_for(step)
+    rng = {"rng": rng_state()}
+    if cp_group is not None:  # one file for the CP group: every CP rank's streams, in CP rank order
+        rng["rng_by_cp_rank"] = gather_objects(rng["rng"], cp_group)
     partial = f"{tag}.partial"
     if global_rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(root / partial, ignore_errors=True)  # left by a run killed while saving
     barrier()
-    engine.save_checkpoint(str(root), tag=partial, client_state={**client_state, "rng": rng_state()},
-                           save_latest=False)
+    engine.save_checkpoint(str(root), tag=partial, client_state={**client_state, **rng}, save_latest=False)
     barrier()
     if global_rank() == 0:
         _write_atomic(root / partial / META, json.dumps({**meta, "step": step}, indent=2))
@@ -235,13 +240,18 @@ def to_universal(found: Found) -> str:
     return tag
 
 
-def load_checkpoint(engine, found: Found, *, universal: bool) -> dict:
-    """Load into the engine; restores RNG states when the layout is the same. Returns DeepSpeed's client state."""
+def load_checkpoint(engine, found: Found, *, universal: bool, cp_rank: int = 0) -> dict:
+    """Load into the engine; restores RNG states when the layout is the same. Returns DeepSpeed's client state.
+
+    ``cp_rank``: this rank's CP rank; it restores that rank's streams (none saved for it, e.g. a cp=1 checkpoint
+    resumed at cp=2: it keeps the streams ``model_parallel_seed`` gave it)."""
     tag = to_universal(found) if universal else found.tag
     path, client_state = engine.load_checkpoint(str(found.root), tag=tag, load_optimizer_states=True,
                                                 load_lr_scheduler_states=True)
     if path is None:
         raise ResumeError(f"DeepSpeed found no checkpoint files in {found.root / tag}")
     if not universal and client_state and "rng" in client_state:
-        set_rng_state(client_state["rng"])
+        by_cp_rank = client_state.get("rng_by_cp_rank", [client_state["rng"]])
+        if cp_rank < len(by_cp_rank):
+            set_rng_state(by_cp_rank[cp_rank])
     return client_state or {}

@@ -3,7 +3,7 @@
 A run config has four sections (see ``configs/gpt/tiny.yaml``)::
 
     model:     {family: gpt | bert | unet-segmentation | unet-diffusion, preset: tiny, <any field of the family's config>: value}
-    parallel:  {tp, pp, ep, zero_stage, sequence_parallel, activation_checkpointing, partition_method}
+    parallel:  {tp, pp, ep, zero_stage, sequence_parallel, activation_checkpointing, partition_method, cp, cp_algorithm}
     training:  {seed, steps, micro_batch_size, global_batch_size, gradient_accumulation_steps, seq_length,
                 lr, min_lr, warmup_steps, weight_decay, adam_beta1, adam_beta2, adam_eps, grad_clip, precision}
     data:      {source: synthetic}
@@ -54,6 +54,8 @@ class ParallelSection:
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
     partition_method: str = "parameters"  # DeepSpeed: "parameters" | "uniform" | "type:<regex>"
+    cp: int = 1  # context parallelism: each sequence split over cp ranks (GPT family; zoo.parallel.context_parallel)
+    cp_algorithm: str = "ulysses"  # "ulysses" (all-to-all over heads) | "ring" (key/value blocks around the ring)
 
 
 @dataclass
@@ -102,7 +104,7 @@ class RunConfig:
     out: str = "runs/gpt"
 
     # Filled by validate(): the derived numbers every rank agrees on.
-    dp: int = 1
+    dp: int = 1  # true data parallelism (different samples): world / (tp x cp x pp)
     gradient_accumulation_steps: int = 1
     global_batch_size: int = 0
 
@@ -268,6 +270,7 @@ def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = N
         model.check_layout(par.tp, par.pp, **({"ep": par.ep} if moe else {}))
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    validate_context_parallel(cfg, model, world_size)
     if par.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {par.zero_stage!r}")
     if par.ep > 1 and tr.save:
@@ -327,6 +330,47 @@ def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = N
     return model
 
 
+def validate_context_parallel(cfg: RunConfig, model, world_size: int) -> None:
+    """``parallel.cp`` and ``parallel.cp_algorithm``: one line per problem. Sets ``cfg.dp`` to world / (tp x cp x pp).
+
+    The sequence is split into cp parts (Ulysses) or 2 cp chunks (ring's causal load balance); Ulysses then splits
+    each TP rank's query heads over CP; sequence parallelism splits each rank's s/cp positions over TP.
+    """
+    from zoo.parallel.context_parallel import ALGORITHMS, check_sequence_split, check_ulysses_heads
+    from zoo.training.families import get_family
+
+    par, tr = cfg.parallel, cfg.training
+    if not isinstance(par.cp, int) or par.cp < 1:
+        raise ConfigError(f"parallel.cp must be a positive integer, got {par.cp!r}")
+    if par.cp_algorithm not in ALGORITHMS:
+        raise ConfigError(f"parallel.cp_algorithm must be one of {list(ALGORITHMS)}, got {par.cp_algorithm!r}")
+    if par.cp == 1:
+        return
+    if not get_family(cfg.model.family).context_parallel:
+        raise ConfigError(f"context parallelism (cp={par.cp}) is for the gpt family, not {cfg.model.family!r}; "
+                          f"use cp=1 (tp, pp and dp work for every family)")
+    if getattr(model, "num_experts", 0):
+        raise ConfigError(f"context parallelism (cp={par.cp}) does not support mixture-of-experts models yet (router "
+                          f"losses and capacity would count one rank's tokens); use cp=1")
+    n = par.tp * par.cp * par.pp
+    if world_size % n:
+        raise ConfigError(f"world size {world_size} is not divisible by tp*cp*pp = {n} (tp={par.tp}, cp={par.cp}, "
+                          f"pp={par.pp}); launch a multiple of {n} processes")
+    cfg.dp = world_size // n
+    try:
+        check_sequence_split(tr.seq_length, par.cp, par.cp_algorithm)
+        if par.cp_algorithm == "ulysses":
+            check_ulysses_heads(model.num_attention_heads // par.tp, par.cp)
+    except ValueError as e:
+        raise ConfigError(f"{e}") from None
+    if par.sequence_parallel and (tr.seq_length // par.cp) % par.tp:
+        raise ConfigError(f"training.seq_length {tr.seq_length} / cp {par.cp} = {tr.seq_length // par.cp} positions "
+                          f"per CP rank are not divisible by tp {par.tp}, which sequence parallelism needs")
+    if par.cp_algorithm == "ring" and model.attention_dropout > 0:
+        raise ConfigError(f"ring attention has no attention dropout (attention_dropout={model.attention_dropout}); "
+                          f"set model.attention_dropout=0 or parallel.cp_algorithm=ulysses")
+
+
 def validate_data(cfg: RunConfig, model) -> None:
     """The family's own checks (data files, tokenizer, sequence length), as one-line ConfigErrors."""
     from zoo.training.families import get_family
@@ -350,7 +394,8 @@ def deepspeed_config(cfg: RunConfig) -> dict:
     tr, par = cfg.training, cfg.parallel
     on_cpu = get_accelerator().device_name() == "cpu"
     ds = {
-        "train_batch_size": cfg.global_batch_size,
+        # DeepSpeed counts a sample on each of its data-parallel ranks, dp x cp: the cp ranks of a replica share one.
+        "train_batch_size": cfg.global_batch_size * par.cp,
         "train_micro_batch_size_per_gpu": tr.micro_batch_size,
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
         "optimizer": {

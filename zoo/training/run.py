@@ -28,13 +28,16 @@ class RunParser(argparse.ArgumentParser):
 
     def __init__(self, prog: str, what: str, more: str):
         super().__init__(prog=prog, description=f"{what} Works in one process, under torchrun and under the deepspeed "
-                                                f"launcher; data parallelism is world_size / (tp x pp). {more}")
+                                                f"launcher; data parallelism is world_size / (tp x cp x pp). {more}")
 
     def add_run_flags(self, *, eval_help: str = "validation loss", load_help: str = "") -> None:
         """Layout, steps, intervals, resume, --set."""
         self.add_argument("--tp", type=int, help="tensor-parallel size")
         self.add_argument("--pp", type=int, help="pipeline-parallel size")
         self.add_argument("--ep", type=int, help="expert-parallel size (mixture-of-experts models; must divide dp)")
+        self.add_argument("--cp", type=int, help="context-parallel size: each sequence split over cp ranks (GPT)")
+        self.add_argument("--cp-algorithm", choices=["ulysses", "ring"],
+                          help="context-parallel attention: ulysses (all-to-all over heads, the default) or ring")
         self.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (pp > 1 allows 0 or 1)")
         self.add_argument("--steps", type=int, help="number of optimizer steps (the run's total, also when resuming)")
         self.add_argument("--eval-interval", type=int, metavar="N",
@@ -73,10 +76,10 @@ def say(line: str) -> None:
 
 @contextmanager
 def process_group(cfg: RunConfig):
-    """The (tp, pp) grid of the run, torn down on the way out (also after an error)."""
+    """The (tp, pp, cp) grid of the run, torn down on the way out (also after an error)."""
     from zoo.parallel.topology import destroy_model_parallel, initialize_model_parallel
 
-    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep)
+    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.cp)
     try:
         yield grid
     finally:

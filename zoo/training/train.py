@@ -5,6 +5,13 @@ ZeRO 0-3 over the data-parallel group. ``pp > 1``: the same specs become a ``Pip
 Either way the logged loss of a step is the mean over its micro-batches and data-parallel replicas, so it is the
 same number in every layout.
 
+Context parallelism (``parallel.cp``, GPT): the cp ranks of a replica read the same micro-batches (the true dp rank
+and size pick the samples) and each feeds the engine its share of every sequence, inputs and shifted labels alike
+(:func:`local_micro_batch`); every cp rank's loss is the whole sequence's, so the logged loss is reduced over the
+true replicas only. DeepSpeed's data-parallel group is dp x cp (``zoo.parallel.topology``): it averages gradients and
+partitions ZeRO there, and its ``train_batch_size`` is zoo's global batch x cp. Tokens/s counts each token once;
+TFLOP/s per device divides the step's FLOPs by the whole world.
+
 Entry point: ``launch/train.py`` (one process, ``torchrun`` or the ``deepspeed`` launcher).
 """
 
@@ -23,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from zoo.data.batches import micro_batch, to_device
+from zoo.data.batches import context_parallel_share, micro_batch, to_device
 from zoo.training.config import ConfigError, RunConfig, deepspeed_config, load, validate
 from zoo.training.families import Data, get_family
 from zoo.training.run import RunParser, command, loss_change, process_group, say, start_run, train_and_save
@@ -85,9 +92,11 @@ def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False, init_
         raise ValueError(f"parallel.ep is {par.ep} but the grid was built with ep={grid.ep}; build it with "
                          f"initialize_model_parallel(tp, pp, ep)")
     expert_parallel = grid.ep > 1
-    specs = family.layer_specs(model_cfg, par.sequence_parallel, **({"ep_group": grid.ep_group} if expert_parallel
-                                                                    else {}))
-    loss_fn = family.loss(model_cfg)
+    # Context parallelism (GPT only, config.validate_context_parallel): the layers and the loss get the CP group.
+    context = {"cp_group": grid.cp_group, "cp_algorithm": par.cp_algorithm} if grid.cp > 1 else {}
+    specs = family.layer_specs(model_cfg, par.sequence_parallel, **context,
+                               **({"ep_group": grid.ep_group} if expert_parallel else {}))
+    loss_fn = family.loss(model_cfg, **({"cp_group": grid.cp_group} if grid.cp > 1 else {}))
     if grid.pp > 1:
         module = family.build_pipeline(model_cfg, specs, grid, loss_fn=loss_fn, cfg=cfg)
         mpu = None  # the PipelineModule brings its own grid (same topology)
@@ -99,7 +108,8 @@ def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False, init_
         from zoo.convert.io import load_model
 
         load_model(init_dir, module, grid.tp_group)
-    model_parallel_seed(tr.seed, grid.tp_rank)  # dropout streams, independent of how many layers this rank built
+    # Dropout streams, independent of how many layers this rank built; per CP rank too (other tokens).
+    model_parallel_seed(tr.seed, grid.tp_rank, grid.cp_rank)
     schedule = partial(lr_factor, steps=tr.steps, warmup_steps=tr.warmup_steps, min_ratio=tr.min_lr / tr.lr)
     ds_config = deepspeed_config(cfg)
     if universal:  # resuming a checkpoint saved in another layout (zoo.training.checkpoint)
@@ -256,14 +266,20 @@ def reduced_stats(loss_fn, family) -> dict:
     return family.derive_metrics(dict(zip(keys, t.tolist())))
 
 
+def local_micro_batch(dataset, step: int, micro: int, cfg: RunConfig, grid, device):
+    """Micro-batch ``micro`` of step ``step`` as this rank feeds it to the engine: the true data-parallel rank's
+    samples (every CP rank of a replica reads the same ones), then this CP rank's share of each sequence."""
+    batch = micro_batch(dataset, step, micro, micro_batch_size=cfg.training.micro_batch_size,
+                        accumulation=cfg.gradient_accumulation_steps, dp_rank=grid.dp_rank, dp=grid.dp)
+    return to_device(context_parallel_share(batch, grid.cp_rank, grid.cp, cfg.parallel.cp_algorithm), device)
+
+
 def evaluate(engine, loss_fn, cfg: RunConfig, grid, dataset, device) -> float:
     """Mean loss over ``eval_iters`` global batches of the validation set (the same samples every time)."""
     tr, gas = cfg.training, cfg.gradient_accumulation_steps
     total = 0.0
     for it in range(tr.eval_iters):
-        batches = [to_device(micro_batch(dataset, it, m, micro_batch_size=tr.micro_batch_size, accumulation=gas,
-                                         dp_rank=grid.dp_rank, dp=grid.dp), device)
-                   for m in range(gas)]
+        batches = [local_micro_batch(dataset, it, m, cfg, grid, device) for m in range(gas)]
         if grid.pp > 1:
             total += float(engine.eval_batch(data_iter=iter(batches)))  # averaged over micro-batches and DP
             continue
@@ -271,7 +287,7 @@ def evaluate(engine, loss_fn, cfg: RunConfig, grid, dataset, device) -> float:
         with torch.no_grad():
             loss = sum(loss_fn(engine(ids), labels).float() for ids, labels in batches) / gas
         engine.train()
-        if grid.dp > 1:
+        if grid.dp > 1:  # over the true replicas: every CP rank holds the whole sequence's loss already
             dist.all_reduce(loss, group=grid.dp_group)
             loss /= grid.dp
         total += float(loss)
@@ -311,7 +327,7 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
     gas = cfg.gradient_accumulation_steps
     start = 0
     if resume is not None:
-        ckpt.load_checkpoint(engine, resume, universal=universal)
+        ckpt.load_checkpoint(engine, resume, universal=universal, cp_rank=grid.cp_rank)
         start = resume.step
         if grid.rank == 0:
             how = " (universal checkpoint: new layout)" if universal else ""
@@ -319,19 +335,18 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
 
     def batches(step):
         for m in range(gas):
-            yield to_device(micro_batch(data.train, step, m, micro_batch_size=tr.micro_batch_size,
-                                        accumulation=gas, dp_rank=grid.dp_rank, dp=grid.dp), device)
+            yield local_micro_batch(data.train, step, m, cfg, grid, device)
 
     metrics = MetricsWriter(out, grid.rank == 0, resume_step=start if resume is not None else None)
     meta = {"layout": {"tp": grid.tp, "pp": grid.pp, "dp": grid.dp, "ep": grid.ep,
-                       "zero_stage": cfg.parallel.zero_stage},
+                       "zero_stage": cfg.parallel.zero_stage, "cp": grid.cp},
             "global_batch_size": cfg.global_batch_size, "seq_length": tr.seq_length,
             "model": model_cfg.to_dict(), "tokenizer": data.tokenizer_dir}
 
     def save(step):
         client_state = {"iteration": step, "universal_checkpoint_info": family.universal_checkpoint_info(model_cfg)}
         path = ckpt.save_checkpoint(engine, out / ckpt.CHECKPOINTS, step, meta, client_state,
-                                    keep_last=tr.keep_last or None)
+                                    keep_last=tr.keep_last or None, cp_group=grid.cp_group)
         if grid.rank == 0:
             log(f"saved checkpoint {path}")
 
@@ -441,10 +456,10 @@ def parse_args(argv=None):
 
 def config_from_args(args) -> RunConfig:
     overrides = list(args.set)
-    for flag, key in (("tp", "parallel.tp"), ("pp", "parallel.pp"), ("ep", "parallel.ep"),
-                      ("zero", "parallel.zero_stage"), ("steps", "training.steps"),
-                      ("eval_interval", "training.eval_interval"), ("save_interval", "training.save_interval"),
-                      ("init", "training.init_from"), ("out", "out")):
+    for flag, key in (("tp", "parallel.tp"), ("pp", "parallel.pp"), ("ep", "parallel.ep"), ("cp", "parallel.cp"),
+                      ("cp_algorithm", "parallel.cp_algorithm"), ("zero", "parallel.zero_stage"),
+                      ("steps", "training.steps"), ("eval_interval", "training.eval_interval"),
+                      ("save_interval", "training.save_interval"), ("init", "training.init_from"), ("out", "out")):
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{key}={value}")
@@ -482,7 +497,9 @@ def resume_plan(cfg: RunConfig, model_cfg, args):
                           f"order")
     old, par = meta["layout"], cfg.parallel
     same_model_layout = (old["tp"], old["pp"]) == (par.tp, par.pp)
-    zero_same = old["zero_stage"] == par.zero_stage and (old["zero_stage"] == 0 or old["dp"] == cfg.dp)
+    # DeepSpeed partitions ZeRO states over dp x cp (zoo.parallel.topology): a cp change is a dp change to it.
+    zero_same = old["zero_stage"] == par.zero_stage and (old["zero_stage"] == 0 or
+                                                         old["dp"] * old.get("cp", 1) == cfg.dp * par.cp)
     universal = not (same_model_layout and zero_same)
     if universal and (old["zero_stage"] == 0 or par.zero_stage == 0):
         raise ConfigError(f"checkpoint {found.root / found.tag} was saved at tp={old['tp']} pp={old['pp']} "
@@ -506,8 +523,9 @@ def run(args, cfg: RunConfig, model_cfg, resume, universal: bool) -> int:
         rank0 = grid.rank == 0
         count = model_cfg.num_parameters() if hasattr(model_cfg, "num_parameters") else float("nan")
         per_sample = f" x {cfg.training.seq_length} tokens" if family.unit == "tokens" else ""
+        cp = f" cp={grid.cp} ({cfg.parallel.cp_algorithm})" if grid.cp > 1 else ""
         start_run(cfg, grid, f"zoo: {cfg.model.family} {count / 1e6:.2f}M parameters | tp={grid.tp} pp={grid.pp} "
-                             f"dp={grid.dp} " + (f"ep={grid.ep} " if grid.ep > 1 else "") +
+                             f"dp={grid.dp}{cp} " + (f"ep={grid.ep} " if grid.ep > 1 else "") +
                              f"zero={cfg.parallel.zero_stage} | global batch {cfg.global_batch_size}"
                              f"{per_sample} | {cfg.training.precision} | data: {cfg.data.source}")
         data = build_data(cfg, model_cfg, grid)

@@ -38,6 +38,7 @@ class Family:
     checkpointable_layers: tuple[str, ...] = ()
     unit = "tokens"  # what throughput counts ("tokens" or "samples")
     init_overridable: tuple[str, ...] = ()  # config fields a run may change in a model it initializes from
+    context_parallel = False  # whether parallel.cp > 1 splits its sequences (GPT only)
 
     def build_config(self, preset: str | None, overrides: dict):
         if preset is None:

@@ -14,6 +14,7 @@ class GPTFamily(Family):
     name = "gpt"
     checkpointable_layers = ("GPTBlock",)
     init_overridable = ("hidden_dropout", "attention_dropout")
+    context_parallel = True
 
     @property
     def config_class(self):
@@ -36,15 +37,21 @@ class GPTFamily(Family):
 
         hf_to_zoo(src, out)
 
-    def layer_specs(self, config, sequence_parallel, ep_group=None):
+    def layer_specs(self, config, sequence_parallel, ep_group=None, cp_group=None, cp_algorithm="ulysses"):
+        """With ``cp_group`` (context parallelism): each layer holds this CP rank's ``[b, s/cp, h]`` (also what a
+        pipeline stage sends), attention by ``cp_algorithm``; with ``ep_group``: each MoE layer holds its share of
+        the experts."""
         from zoo.models.gpt import ParallelOptions, layer_specs
 
-        return layer_specs(config, ParallelOptions(sequence_parallel=sequence_parallel, ep_group=ep_group))
+        return layer_specs(config, ParallelOptions(sequence_parallel=sequence_parallel, ep_group=ep_group,
+                                                   cp_group=cp_group, cp_algorithm=cp_algorithm))
 
-    def loss(self, config):
+    def loss(self, config, cp_group=None):
+        """The whole sequence's mean; with ``cp_group`` its gradient is right once averaged over dp x cp, which is
+        what DeepSpeed does (its data-parallel group is dp x cp: zoo.parallel.topology)."""
         from zoo.models.gpt import GPTLoss
 
-        return GPTLoss(config)
+        return GPTLoss(config, cp_group=cp_group)
 
     def training_flops_per_sample(self, cfg, config):
         from zoo.training.metrics import training_flops_per_token
