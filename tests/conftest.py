@@ -132,6 +132,18 @@ class DistPool:
                 p.join(timeout=5)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matrices: a second intra-op thread only adds synchronisation (many times slower on a busy machine).
+    A module opts in with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 class _Pools:
     """``dist_run(world_size, fn, *args, **kwargs)`` -> list of per-rank return values, on the shared pools."""
 
