@@ -32,7 +32,9 @@ DeepSpeed reduces expert gradients over exactly these groups.
 Context parallelism (cp > 1, :mod:`zoo.parallel.context_parallel`) lives inside DeepSpeed's data axis. The
 topology is built with ``num_dp = dp x cp``, and data index ``i = dp_rank x cp + cp_rank``: the cp ranks of one
 replica are consecutive data indices (CP groups), the true data-parallel groups take every cp-th one. Rank order is
-tp fastest, then cp, then dp, then pp. For 8 ranks at tp=2, cp=2 (dp=2, pp=1):
+tp fastest, then cp, then dp, then pp: TP's blocking all-reduces are the heaviest traffic, CP's per-layer ring
+sends or all-to-alls come next (so CP groups sit beside TP inside a node), DP's one gradient reduction per step
+overlaps with compute, and pipeline stages exchange only activations. For 8 ranks at tp=2, cp=2 (dp=2, pp=1):
 
     rank:   0 1 2 3 4 5 6 7
     data:   0 0 1 1 2 2 3 3     DeepSpeed's data axis, dp x cp
