@@ -138,8 +138,7 @@ def destroy_engine(engine) -> None:
     DeepSpeed's output backward hooks hold the engine, and the last stage's ``engine.loss`` holds those hooks
     through its autograd graph, which Python's garbage collector cannot see into; ZeRO-3 keeps the module it ran
     last in a global stack. Either way the engine, its process groups and their threads would live as long as the
-    process, and tests (and sweeps) build many engines in one process. (A ZeRO-3 engine is still held from autograd
-    state after this; tests/conftest.py's ``dist_run.retire`` ends its worker pool instead.)
+    process, and tests (and sweeps) build many engines in one process.
     """
     engine.destroy()
     for name in ("loss", "total_loss", "outputs"):
@@ -156,6 +155,13 @@ def destroy_engine(engine) -> None:
         for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_hooks,
                       module._backward_pre_hooks):
             hooks.clear()
+    # A ZeRO-3 engine stays reachable from autograd state after all; let go of its process groups at least.
+    holders = [engine, getattr(engine, "optimizer", None), *engine.module.parameters()]
+    holders += [getattr(holders[1], name, None) for name in ("parameter_offload", "optimizer")]
+    for obj in (h for h in holders if h is not None):
+        for name, value in list(vars(obj).items()):
+            if isinstance(value, dist.ProcessGroup):
+                setattr(obj, name, None)
 
 
 class MetricsWriter:
