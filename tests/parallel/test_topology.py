@@ -212,6 +212,42 @@ def test_plain_process_is_a_world_of_one(tmp_path):
     assert lines == ["GRID rank=0 world=1 tp=1 dp=1 sum=1"]
 
 
+EXIT_SCRIPT = """
+import atexit, os, sys
+def gloo_threads():
+    return sorted(n for n in (open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+                  if "gloo" in n)
+atexit.register(lambda: print("AT EXIT", gloo_threads(), flush=True))  # runs after zoo's own (LIFO)
+import torch, torch.distributed as dist
+from zoo.parallel import initialize_model_parallel, destroy_model_parallel
+g = initialize_model_parallel(tp=1, pp=1)
+print("RUNNING", gloo_threads(), flush=True)
+import torch.distributed.nn  # what DeepSpeed's Ulysses module imports lazily, once the world group exists
+if sys.argv[1] == "destroy":
+    destroy_model_parallel()  # while the caller still holds the grid
+    print("DESTROYED", gloo_threads(), g.tp_group, flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["destroy", "atexit"])
+def test_no_gloo_thread_outlives_the_process_groups(tmp_path, how):
+    """The clean-exit abort (``terminate called without an active exception`` after a plain process printed its
+    result) came from gloo threads still running at interpreter exit, kept by a grid the caller held and by the
+    default arguments of torch.distributed.nn.functional. Whether the script tears down itself or leaves it to
+    exit, they end before the interpreter starts to finalize."""
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("WORLD_SIZE", None)
+    out = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True, env=env, timeout=300,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert re.search(r"RUNNING \[.*'pt_gloo_runloop'", out.stdout), out.stdout  # the probe sees gloo's threads
+    if how == "destroy":
+        assert "DESTROYED [] None" in out.stdout, out.stdout
+    assert "AT EXIT []" in out.stdout, out.stdout
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

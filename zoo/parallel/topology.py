@@ -61,9 +61,11 @@ Layers never read the grid while running: they take ``tp_group=None`` and resolv
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import re
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -116,6 +118,9 @@ def _check_context_layout(world_size: int, tp: int, pp: int, cp: int) -> None:
                           f"(tp={tp}, cp={cp}, pp={pp}); launch a multiple of {tp * cp * pp} processes")
 
 
+_AT_EXIT = False
+
+
 def init_distributed(timeout_minutes: float | None = None) -> None:
     """Start torch.distributed once, under any launcher or none.
 
@@ -128,6 +133,17 @@ def init_distributed(timeout_minutes: float | None = None) -> None:
         return
     import deepspeed
     from deepspeed.accelerator import get_accelerator
+
+    # torch.distributed.nn.functional binds ``group=group.WORLD`` as default arguments when it is imported, and
+    # DeepSpeed imports it lazily (its Ulysses module) once the world group exists: those defaults would then hold
+    # the world group, and its threads, until interpreter exit (the exit-time abort, destroy_model_parallel).
+    # Imported before the group exists, they hold None (which means the world group too).
+    import torch.distributed.nn  # noqa: F401
+
+    global _AT_EXIT
+    if not _AT_EXIT:  # atexit runs before finalization, while every module is still whole
+        atexit.register(destroy_model_parallel)
+        _AT_EXIT = True
 
     # A child of a plain process inherits the RANK/WORLD_SIZE=1 it set below; that is not a launcher speaking.
     inherited = os.environ.get("ZOO_WORLD_OF_ONE", str(os.getpid())) != str(os.getpid()) \
@@ -167,6 +183,8 @@ class ParallelGrid:
 
     def __init__(self, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1):
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+        _EVERY_GRID.add(self)
 
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized; call zoo.parallel.topology.init_distributed() first")
@@ -222,6 +240,13 @@ class ParallelGrid:
         ds_groups._EXPERT_PARALLEL_GROUP_RANKS[name] = list(self._ep.ranks)
         ds_groups._EXPERT_DATA_PARALLEL_GROUP[name] = self._edp.group
         ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = list(self._edp.ranks)
+
+    def forget_groups(self) -> None:
+        """Drop this grid's references to its process groups (ranks stay), so that a destroyed group's threads end
+        now instead of at interpreter exit, where gloo's are torn down in no fixed order (the exit-time abort)."""
+        for name, axis in list(vars(self).items()):
+            if isinstance(axis, _Axis):
+                setattr(self, name, _Axis(axis.rank, axis.world_size, None, axis.ranks))
 
     def _build_axis(self, rank_lists) -> _Axis:
         mine = None
@@ -326,6 +351,7 @@ class ParallelGrid:
 
 _GRIDS: dict[tuple[int, ...], ParallelGrid] = {}
 _CURRENT: ParallelGrid | None = None
+_EVERY_GRID: "weakref.WeakSet[ParallelGrid]" = weakref.WeakSet()  # also those a caller still holds
 
 
 def initialize_model_parallel(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1) -> ParallelGrid:
@@ -355,12 +381,25 @@ def get_grid() -> ParallelGrid | None:
 
 
 def destroy_model_parallel() -> None:
-    """Forget the grids and tear down torch.distributed (avoids gloo's exit-time abort; PLATFORM.md)."""
+    """Tear down every process group and torch.distributed itself, and end their threads before returning.
+
+    A gloo group's threads end only when the last reference to the group goes. Left to interpreter exit, that
+    happens during finalization in no fixed order, and now and then a still-joinable ``std::thread`` is destroyed:
+    the process prints ``terminate called without an active exception`` and aborts after it has done its work
+    (PLATFORM.md; issue "clean exits"). So this also empties every grid ever built (the caller may still hold
+    one: its groups read ``None`` afterwards) and DeepSpeed's group caches, then collects. zoo's entry points call
+    it on every exit path, and :func:`init_distributed` registers it with ``atexit`` for scripts that do not.
+    """
     global _CURRENT
+    if dist.is_available() and dist.is_initialized():
+        release_groups()
+    for grid in list(_EVERY_GRID):
+        grid.forget_groups()
     _GRIDS.clear()
     _CURRENT = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()
 
 
 def release_groups() -> int:
