@@ -74,10 +74,14 @@ KILL_AFTER_STEP_10 = textwrap.dedent("""
 """)
 
 
-def test_sigkill_after_checkpoint_then_resume_is_exact(dist_run, tmp_path):
-    """tp=2, 2 processes: killed after its step-10 checkpoint, resumed with --load: steps 11-20 as if never killed."""
-    flags = ["--config", str(CONFIG), "--tp", "2", "--steps", "20", "--save-interval", "10", "--no-sample"]
-    expected = dist_run(2, run_case, ["parallel.tp=2", "training.steps=20", "training.save=false"],
+@pytest.mark.parametrize("model", ["gpt2-tp2", "moe-ep2"])
+def test_sigkill_after_checkpoint_then_resume_is_exact(dist_run, tmp_path, model):
+    """2 processes (tp=2; or the tiny MoE at ep=2, whose experts zoo writes itself): killed after the step-10
+    checkpoint, resumed with --load: steps 11-20 as if never killed."""
+    layout = ["--tp", "2"] if model == "gpt2-tp2" else ["--ep", "2", "--set", "model.preset=tiny-moe"]
+    sets = ["parallel.tp=2"] if model == "gpt2-tp2" else ["parallel.ep=2", "model.preset=tiny-moe"]
+    flags = ["--config", str(CONFIG), *layout, "--steps", "20", "--save-interval", "10", "--no-sample"]
+    expected = dist_run(2, run_case, sets + ["training.steps=20", "training.save=false"],
                         str(tmp_path / "reference"))[0]
     out = tmp_path / "run"
     script = tmp_path / "train_then_die.py"
@@ -107,6 +111,26 @@ def test_tp2_checkpoint_resumes_at_tp1_pp2(dist_run, tmp_path):
         assert len(resumed) == 1
         torch.testing.assert_close(resumed[0], uninterrupted[3], rtol=1e-5, atol=0, msg=f"{model}: next loss")
         assert (Path(out) / "checkpoints" / "step_00000003_universal" / "zoo.json").is_file()
+
+
+def test_expert_parallel_checkpoints_resume_in_place_and_at_another_ep(dist_run, tmp_path):
+    """ep 2 (dp 2): without ZeRO resumed in place, the remaining losses repeat exactly (zoo's expert files carry the
+    EP rank 1 experts' weights and Adam states, which DeepSpeed's own files lack); with ZeRO-1 resumed at ep 1 x pp 2,
+    and a tp 2 (ep 1) checkpoint resumed at ep 2, through the universal checkpoint: the next loss within 1e-5."""
+    moe = ["model.preset=tiny-moe-shared", "training.steps=4"]  # dense and sparse blocks, a gated shared expert
+    out = str(tmp_path / "ep2-zero0")
+    full = dist_run(2, run_case, moe + ["parallel.ep=2", "parallel.zero_stage=0", "training.save_interval=3"], out)[0]
+    assert sorted(p.name for p in (Path(out) / "checkpoints" / "step_00000003").glob("zoo_experts_*")) == \
+        ["zoo_experts_pp00.safetensors"]
+    resumed = dist_run(2, run_case, moe + ["parallel.ep=2", "parallel.zero_stage=0", "training.save=false"], out, 3)[0]
+    assert resumed == full[3:], "resumed at ep 2 in place: the next loss must be the uninterrupted run's"
+    for saved, loaded, name in [("parallel.ep=2", "parallel.pp=2", "ep2-to-ep1-pp2"),
+                                ("parallel.tp=2", "parallel.ep=2", "tp2-to-ep2")]:
+        out = str(tmp_path / name)
+        full = dist_run(2, run_case, moe + ["parallel.zero_stage=1", saved, "training.save_interval=3"], out)[0]
+        resumed = dist_run(2, run_case, moe + ["parallel.zero_stage=1", loaded, "training.save=false"], out, 3,
+                           True)[0]
+        torch.testing.assert_close(resumed[0], full[3], rtol=1e-5, atol=0, msg=f"{name}: next loss")
 
 
 KILL_DURING_SAVE = textwrap.dedent("""

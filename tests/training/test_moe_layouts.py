@@ -216,16 +216,3 @@ def test_ep_flag_refused_before_anything_starts(capsys, tmp_path):
                    "groups are carved out of the data-parallel ranks: pick ep in [1] or launch a multiple of "
                    "tp*pp*ep = 2 processes"]
     assert not out.exists()
-
-
-def test_load_into_expert_parallel_layout_refused_in_one_line(tmp_path):
-    import argparse
-
-    from zoo.training.config import ConfigError, load, validate
-    from zoo.training.train import resume_plan
-
-    cfg = load(CONFIG, ["parallel.ep=2", "training.save=false", f"out={tmp_path / 'run'}"])
-    model_cfg = validate(cfg, 2)  # two ranks: a valid ep2 layout
-    with pytest.raises(ConfigError, match=r"^--load into an expert-parallel layout \(ep 2\) is not supported yet; "
-                                          r"resume at ep 1 \(any tp/pp\)$"):
-        resume_plan(cfg, model_cfg, argparse.Namespace(load=str(tmp_path / "x"), load_step=None))

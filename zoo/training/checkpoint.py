@@ -25,6 +25,7 @@ per-rank and cannot be carried to a different set of ranks; they are re-seeded f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -183,8 +184,12 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def save_checkpoint(engine, root: Path, step: int, meta: dict, client_state: dict, keep_last: int | None = None,
-                    cp_group=None) -> Path:
-    """Collective: every rank calls it. Returns the checkpoint folder. ``cp_group``: the grid's CP group (or None)."""
+                    cp_group=None, grid=None) -> Path:
+    """Collective: every rank calls it. Returns the checkpoint folder. ``cp_group``: the grid's CP group (or None);
+    ``grid``: the run's grid, needed at ep > 1 (zoo writes the experts, :mod:`zoo.training.moe`)."""
+    from zoo.training import moe
+
+    expert_parallel = grid is not None and grid.ep > 1
     tag = tag_for(step)
     rng = {"rng": rng_state()}
     if cp_group is not None:  # one file for the CP group: every CP rank's streams, in CP rank order
@@ -194,7 +199,10 @@ def save_checkpoint(engine, root: Path, step: int, meta: dict, client_state: dic
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(root / partial, ignore_errors=True)  # left by a run killed while saving
     barrier()
-    engine.save_checkpoint(str(root), tag=partial, client_state={**client_state, **rng}, save_latest=False)
+    with moe.checkpoint_as_dense(engine) if expert_parallel else contextlib.nullcontext():
+        engine.save_checkpoint(str(root), tag=partial, client_state={**client_state, **rng}, save_latest=False)
+    if expert_parallel:
+        moe.save_expert_states(engine, grid, root / partial)
     barrier()
     if global_rank() == 0:
         _write_atomic(root / partial / META, json.dumps({**meta, "step": step}, indent=2))
@@ -227,12 +235,16 @@ def to_universal(found: Found) -> str:
 
         from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
+        from zoo.training import moe
+
         tmp = found.root / f"{tag}.partial"
         shutil.rmtree(tmp, ignore_errors=True)
         args = argparse.Namespace(input_folder=str(found.root / found.tag), output_folder=str(tmp),
                                   num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
                                   inject_missing_state=False)
-        ds_to_universal(args)
+        with moe.universal_without_experts(found.root / found.tag):
+            ds_to_universal(args)
+        moe.patch_universal(found.root / found.tag, tmp)  # experts: whole (from zoo's files at ep > 1), cut by ep
         shutil.copy2(found.root / found.tag / META, tmp / META)
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
@@ -240,16 +252,23 @@ def to_universal(found: Found) -> str:
     return tag
 
 
-def load_checkpoint(engine, found: Found, *, universal: bool, cp_rank: int = 0) -> dict:
+def load_checkpoint(engine, found: Found, *, universal: bool, cp_rank: int = 0, grid=None) -> dict:
     """Load into the engine; restores RNG states when the layout is the same. Returns DeepSpeed's client state.
 
     ``cp_rank``: this rank's CP rank; it restores that rank's streams (none saved for it, e.g. a cp=1 checkpoint
-    resumed at cp=2: it keeps the streams ``model_parallel_seed`` gave it)."""
+    resumed at cp=2: it keeps the streams ``model_parallel_seed`` gave it). ``grid``: the run's grid, needed when
+    the checkpoint or this run is expert-parallel."""
+    from zoo.training import moe
+
+    expert_parallel = grid is not None and grid.ep > 1
     tag = to_universal(found) if universal else found.tag
-    path, client_state = engine.load_checkpoint(str(found.root), tag=tag, load_optimizer_states=True,
-                                                load_lr_scheduler_states=True)
+    with moe.checkpoint_as_dense(engine) if expert_parallel else contextlib.nullcontext():
+        path, client_state = engine.load_checkpoint(str(found.root), tag=tag, load_optimizer_states=True,
+                                                    load_lr_scheduler_states=True)
     if path is None:
         raise ResumeError(f"DeepSpeed found no checkpoint files in {found.root / tag}")
+    if grid is not None and not universal:  # universal: the experts came whole with the rest
+        moe.load_expert_states(engine, grid, found.root / found.tag)
     if not universal and client_state and "rng" in client_state:
         by_cp_rank = client_state.get("rng_by_cp_rank", [client_state["rng"]])
         if cp_rank < len(by_cp_rank):

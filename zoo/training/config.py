@@ -273,12 +273,6 @@ def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = N
     validate_context_parallel(cfg, model, world_size)
     if par.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {par.zero_stage!r}")
-    if par.ep > 1 and tr.save:
-        # DeepSpeed routes an expert-parallel engine's save through its own MoE checkpoint, which only knows
-        # deepspeed.moe.layer.MoE (and refuses zoo's client state); zoo's own EP checkpoint is not written yet.
-        raise ConfigError(f"checkpoints of expert-parallel runs (parallel.ep {par.ep}) are not supported yet: add "
-                          f"--set training.save=false, or train at ep 1 (every expert on each rank), which saves "
-                          f"and resumes in any tp/pp layout")
     if moe and par.zero_stage == 3:
         raise ConfigError("ZeRO stage 3 does not work with mixture-of-experts models (DeepSpeed refuses MoE with "
                           "ZeRO-3); use parallel.zero_stage 1 or 2")

@@ -35,6 +35,8 @@ expert-bias step (``moe_expert_bias``).
 from __future__ import annotations
 
 import contextlib
+import re
+import shutil
 
 import torch
 import torch.distributed as dist
@@ -58,12 +60,23 @@ def mark_expert_params(module: torch.nn.Module, group_name: str) -> int:
     return count
 
 
-def split_expert_param_groups(groups: list[dict]) -> list[dict]:
-    """The optimizer groups with the experts moved into groups of their own (``moe: True``), as ZeRO-1/2 need."""
+def split_expert_param_groups(groups: list[dict], expert_parallel: bool = True) -> list[dict]:
+    """The optimizer groups with the experts moved into groups of their own, after the others in the order of
+    the groups they came from: DeepSpeed's MoE groups (``moe: True``, partitioned over EDP by ZeRO-1/2) at ep > 1;
+    plain groups at ep 1. Every ep then has the same groups, which a checkpoint resumed at another ep needs (the
+    optimizer's groups and the LR schedule's lambdas are restored group by group)."""
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     named = [{"name": f"group{i}", **g} for i, g in enumerate(groups)]
-    return split_params_into_different_moe_groups_for_optimizer(named)
+    if expert_parallel:
+        return split_params_into_different_moe_groups_for_optimizer(named)
+    experts = []
+    for group in named:
+        mine = [p for p in group["params"] if getattr(p, "expert_parallel", False)]
+        group["params"] = [p for p in group["params"] if not getattr(p, "expert_parallel", False)]
+        if mine:
+            experts.append({**group, "params": mine})
+    return named + experts
 
 
 @contextlib.contextmanager
@@ -156,3 +169,214 @@ class MoETraining:
         return {"aux_loss": aux / calls, "z_loss": z / calls, "dropped_fraction": dropped / max(assigned, 1.0),
                 "expert_load_max_over_mean": max(imbalance),
                 **{f"expert_load_max_over_mean_layer{i}": v for i, v in zip(self.layer_ids, imbalance)}}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checkpoints of expert-parallel runs
+# ---------------------------------------------------------------------------------------------------------------
+#
+# DeepSpeed sends the save and load of an engine with MoE layers through its own MoE checkpoint code, which knows
+# only its own MoE classes (per-expert modules, ``deepspeed_moe.experts.deepspeed_experts.<j>`` names); zoo's
+# experts are fused [E/ep, ...] tensors. So at ep > 1 DeepSpeed saves and loads as for a dense model
+# (:func:`checkpoint_as_dense`): its files then hold everything but the experts of EP ranks other than 0, which are
+# written by zoo beside them, layout-free (:func:`save_expert_states`): per pipeline stage one safetensors file
+# ``zoo_experts_pp<stage>.safetensors`` with, for every expert parameter (name as in the pipeline module, so the
+# same at any pp), the whole [E, ...] fp32 master weight and Adam's ``exp_avg``/``exp_avg_sq``, gathered over the
+# EP group. ZeRO-1/2 keep these partitioned over the expert-data-parallel ranks; DeepSpeed's tensor-fragment API
+# assembles and scatters them. :func:`load_expert_states` puts each rank's slice back after DeepSpeed has loaded
+# the rest, and :func:`patch_universal` writes them whole into a universal checkpoint made from such a folder, so
+# the run resumes at ep 1 in any tp/pp layout.
+
+EXPERT_FILE = "zoo_experts_pp{:02d}.safetensors"
+ADAM_STATES = ("exp_avg", "exp_avg_sq")
+
+
+@contextlib.contextmanager
+def checkpoint_as_dense(engine):
+    """While DeepSpeed saves or loads: it takes the engine for one without MoE layers (see above)."""
+    had = getattr(engine, "has_moe_layers", False)
+    engine.has_moe_layers = False
+    try:
+        yield
+    finally:
+        engine.has_moe_layers = had
+
+
+def expert_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """(name, parameter) of this stage's expert weights, in the same order on every rank of the stage."""
+    return [(n, p) for n, p in module.named_parameters() if getattr(p, "expert_parallel", False)]
+
+
+def _link_optimizer_states(engine) -> None:
+    """Point every parameter's tensor fragment at its optimizer states. DeepSpeed links them after its first step,
+    but its fragments can lose them afterwards (found empty at a later save), so zoo links them right before use."""
+    from deepspeed.utils import lazy_init_hp_params_optimizer_state
+
+    opt = engine.optimizer
+    for lp_name, flat_name in (("bit16_groups", "single_partition_of_fp32_groups"),  # ZeRO-1/2
+                               ("bf16_groups", "fp32_groups_flat_partition")):  # DeepSpeed's bf16 optimizer
+        lp_groups, flats = getattr(opt, lp_name, None), getattr(opt, flat_name, None)
+        if lp_groups is None or flats is None:
+            continue
+        for lp, flat in zip(lp_groups, flats):
+            if flat in opt.optimizer.state:
+                lazy_init_hp_params_optimizer_state(lp, flat, opt.optimizer.state)
+
+
+def _optimizer_state(engine, param, key: str | None) -> torch.Tensor:
+    """This rank's whole fp32 master weight (key None) or Adam state of ``param``. Collective over the param's
+    ZeRO partition group under ZeRO-1/2 (DeepSpeed's tensor fragments); local without ZeRO."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    if hasattr(param, "_hp_mapping"):
+        value = safe_get_full_fp32_param(param) if key is None else safe_get_full_optimizer_state(param, key)
+    elif key is None:
+        value = param.data
+    else:
+        value = engine.optimizer.state[param][key]
+    return value.detach().float().reshape(param.shape)
+
+
+def _set_optimizer_state(engine, param, key: str | None, value: torch.Tensor) -> None:
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    value = value.to(param.device)
+    if key is None:
+        param.data.copy_(value.to(param.dtype))
+        if hasattr(param, "_hp_mapping"):
+            safe_set_full_fp32_param(param, value)
+    elif hasattr(param, "_hp_mapping"):
+        safe_set_full_optimizer_state(param, value, key)
+    else:
+        engine.optimizer.state[param][key].copy_(value)
+
+
+def _gather_experts(tensor: torch.Tensor, grid) -> torch.Tensor:
+    """[E/ep, ...] on each EP rank -> [E, ...] (experts in EP rank order)."""
+    if grid.ep == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(grid.ep)]
+    dist.all_gather(parts, tensor.contiguous(), group=grid.ep_group)
+    return torch.cat(parts, dim=0)
+
+
+def save_expert_states(engine, grid, folder) -> None:
+    """Collective: write this stage's expert weights and Adam states, whole, into ``folder`` (see above)."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    _link_optimizer_states(engine)
+    tensors = {}
+    for name, param in expert_parameters(engine.module):
+        for key in (None, *ADAM_STATES):
+            whole = _gather_experts(_optimizer_state(engine, param, key), grid)
+            tensors[name if key is None else f"{name}/{key}"] = whole.cpu().contiguous()
+    if tensors and grid.ep_rank == 0 and grid.edp_rank == 0 and grid.tp_rank == 0 and grid.cp_rank == 0:
+        save_file(tensors, str(Path(folder) / EXPERT_FILE.format(grid.pp_rank)))
+
+
+def expert_files(folder) -> dict[str, str]:
+    """Tensor name -> file, over the expert files of a checkpoint folder (all stages)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    where = {}
+    for path in sorted(Path(folder).glob(EXPERT_FILE.replace("{:02d}", "*"))):
+        with safe_open(str(path), framework="pt") as f:
+            where.update(dict.fromkeys(f.keys(), str(path)))
+    return where
+
+
+def load_expert_states(engine, grid, folder) -> int:
+    """Put this rank's experts (weights and Adam states) back from ``folder``'s expert files, after DeepSpeed has
+    loaded the rest; returns how many parameters were set (0: the folder has no expert files)."""
+    from safetensors import safe_open
+
+    where = expert_files(folder)
+    if not where:
+        return 0
+    _link_optimizer_states(engine)
+    count = 0
+    for name, param in expert_parameters(engine.module):
+        if name not in where:
+            raise ValueError(f"{folder}: the expert files hold no {name!r}; the checkpoint is of another model")
+        local = param.shape[0]
+        begin = grid.ep_rank * local
+        with safe_open(where[name], framework="pt") as f:
+            for key in (None, *ADAM_STATES):
+                tensor_slice = f.get_slice(name if key is None else f"{name}/{key}")
+                if tensor_slice.get_shape()[0] != local * grid.ep:
+                    raise ValueError(f"{folder}: {name} holds {tensor_slice.get_shape()[0]} experts, this model "
+                                     f"{local * grid.ep}")
+                _set_optimizer_state(engine, param, key, tensor_slice[begin:begin + local])
+        count += 1
+    return count
+
+
+EXPERT_NAME = re.compile(r"\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")  # GroupedExperts' parameters
+
+
+@contextlib.contextmanager
+def universal_without_experts(folder):
+    """While ``ds_to_universal`` converts ``folder``: it leaves out the experts of an ep > 1 checkpoint (their ZeRO
+    fragments are partitions over the expert-data-parallel ranks, which it would merge as if over all of dp);
+    :func:`patch_universal` writes them whole. A checkpoint of ep 1 converts as any other."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    names = {name for name in expert_files(folder) if "/" not in name}
+    if not names:
+        yield
+        return
+    original = ds_to_universal._merge_tp_slice_files
+
+    def merge(args, uc_info, tp_degree, slice_shapes, temp_dir, exclude_param_names=None):
+        left_out = set(exclude_param_names or ()) | names
+        kept = [n for n in slice_shapes if n not in left_out]
+        # Its strict mode fails on a pattern that matches nothing it merges: drop those that only named experts.
+        uc_info = {key: [p for p in value if not any(re.match(p, n) for n in names) or
+                         any(re.match(p, n) for n in kept)] if isinstance(value, list) else value
+                   for key, value in uc_info.items()}
+        return original(args, uc_info, tp_degree, slice_shapes, temp_dir, left_out)
+
+    ds_to_universal._merge_tp_slice_files = merge
+    try:
+        yield
+    finally:
+        ds_to_universal._merge_tp_slice_files = original
+
+
+def patch_universal(folder, universal_folder) -> int:
+    """Make the experts of a universal checkpoint converted from ``folder`` loadable at any ep; returns how many
+    expert parameters it touched.
+
+    DeepSpeed's universal format holds ``zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt``, each ``{"param": tensor,
+    ...}``; an entry marked ``is_expert_param`` with ``ep_num_experts`` is cut along dim 0 by the loading rank's EP
+    rank (its ``load_hp_checkpoint_state``). The whole tensors of an ep > 1 checkpoint come from zoo's expert files;
+    those of an ep 1 checkpoint are DeepSpeed's own and only gain the marks."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    zero = Path(universal_folder) / "zero"
+    stored = expert_files(folder)
+    names = sorted(p.name for p in zero.iterdir() if EXPERT_NAME.search(p.name)) if zero.is_dir() else []
+    step = next((p / "step.pt" for p in sorted(zero.iterdir()) if (p / "step.pt").is_file()), None) if names else None
+    for name in names:
+        for key in ("fp32", *ADAM_STATES):
+            target = zero / name / f"{key}.pt"
+            whole = f"{name}/{key}" if key != "fp32" else name
+            if whole in stored:
+                with safe_open(stored[whole], framework="pt") as f:
+                    entry = {"param": f.get_tensor(whole)}
+            elif target.is_file():
+                entry = torch.load(target, weights_only=False)  # ds_to_universal's, from this run's own files
+            else:
+                raise ValueError(f"{universal_folder}: no {key} state of {name}")
+            entry.update(is_expert_param=True, ep_num_experts=entry["param"].shape[0])
+            target.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(entry, target)
+        if not (zero / name / "step.pt").is_file() and step is not None:
+            shutil.copy2(step, zero / name / "step.pt")
+    return len(names)

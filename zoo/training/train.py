@@ -117,7 +117,8 @@ def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False, init_
     groups = param_groups(module, tr.weight_decay)
     if expert_parallel:  # DeepSpeed's MoE handling: experts reduced and partitioned over their EDP group
         moe.mark_expert_params(module, grid.expert_group_name)
-        groups = moe.split_expert_param_groups(groups)
+    if getattr(model_cfg, "num_experts", 0):
+        groups = moe.split_expert_param_groups(groups, expert_parallel)
     with moe.deepspeed_sees_moe() if expert_parallel else contextlib.nullcontext():
         engine, *_ = deepspeed.initialize(model=module, model_parameters=groups, config=ds_config, mpu=mpu,
                                           lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
@@ -327,7 +328,7 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
     gas = cfg.gradient_accumulation_steps
     start = 0
     if resume is not None:
-        ckpt.load_checkpoint(engine, resume, universal=universal, cp_rank=grid.cp_rank)
+        ckpt.load_checkpoint(engine, resume, universal=universal, cp_rank=grid.cp_rank, grid=grid)
         start = resume.step
         if grid.rank == 0:
             how = " (universal checkpoint: new layout)" if universal else ""
@@ -346,7 +347,7 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
     def save(step):
         client_state = {"iteration": step, "universal_checkpoint_info": family.universal_checkpoint_info(model_cfg)}
         path = ckpt.save_checkpoint(engine, out / ckpt.CHECKPOINTS, step, meta, client_state,
-                                    keep_last=tr.keep_last or None, cp_group=grid.cp_group)
+                                    keep_last=tr.keep_last or None, cp_group=grid.cp_group, grid=grid)
         if grid.rank == 0:
             log(f"saved checkpoint {path}")
 
@@ -473,9 +474,6 @@ def resume_plan(cfg: RunConfig, model_cfg, args):
 
     if args.load is None and args.load_step is not None:
         raise ConfigError("--load-step needs --load DIR")
-    if args.load is not None and cfg.parallel.ep > 1:
-        raise ConfigError(f"--load into an expert-parallel layout (ep {cfg.parallel.ep}) is not supported yet; "
-                          f"resume at ep 1 (any tp/pp)")
     if args.load is not None:
         found = ckpt.find_checkpoint(args.load, args.load_step)
     elif cfg.training.save and ckpt.read_latest(Path(cfg.out) / ckpt.CHECKPOINTS) is not None:
@@ -496,7 +494,7 @@ def resume_plan(cfg: RunConfig, model_cfg, args):
                           f"{cfg.global_batch_size} x {cfg.training.seq_length}; keep them to resume the same data "
                           f"order")
     old, par = meta["layout"], cfg.parallel
-    same_model_layout = (old["tp"], old["pp"]) == (par.tp, par.pp)
+    same_model_layout = (old["tp"], old["pp"], old.get("ep", 1)) == (par.tp, par.pp, par.ep)
     # DeepSpeed partitions ZeRO states over dp x cp (zoo.parallel.topology): a cp change is a dp change to it.
     zero_same = old["zero_stage"] == par.zero_stage and (old["zero_stage"] == 0 or
                                                          old["dp"] * old.get("cp", 1) == cfg.dp * par.cp)
@@ -506,6 +504,11 @@ def resume_plan(cfg: RunConfig, model_cfg, args):
                           f"dp={old['dp']} ZeRO-{old['zero_stage']}; resuming at tp={par.tp} pp={par.pp} "
                           f"dp={cfg.dp} ZeRO-{par.zero_stage} goes through DeepSpeed's universal checkpoint, which "
                           f"needs ZeRO >= 1 on both sides; resume in the saved layout, or train with --zero 1")
+    if universal and par.ep > 1:
+        raise ConfigError(f"checkpoint {found.root / found.tag} was saved at tp={old['tp']} pp={old['pp']} "
+                          f"dp={old['dp']} ep={old.get('ep', 1)}; resuming in another layout works into ep 1 (any "
+                          f"tp/pp/dp), not yet into ep {par.ep}: resume at ep {par.ep} in the saved layout, or at "
+                          f"--ep 1")
     return found, universal
 
 
