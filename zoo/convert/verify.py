@@ -81,8 +81,9 @@ def layout_problem(cfg: GPTConfig, tp: int, pp: int, ep: int = 1) -> str | None:
     if bad:
         ok = [t for t in range(1, cfg.num_key_value_heads + 1) if all(n % t == 0 for n in split.values())]
         name, n = bad[0]
-        return (f"tp {tp} does not divide {name} {n}; tp must divide "
-                f"{' and '.join(f'{k} {v}' for k, v in split.items())}: use {_either(ok)}")
+        named = [f"{k} {v}" for k, v in split.items()]
+        return (f"tp {tp} does not divide {name} {n}; tp must divide {', '.join(named[:-1])} and {named[-1]}: "
+                f"use {_either(ok)}")
     if pp > cfg.num_hidden_layers:
         return (f"pp {pp} exceeds num_hidden_layers {cfg.num_hidden_layers}; every pipeline stage needs a block: "
                 f"use pp <= {cfg.num_hidden_layers}")
