@@ -32,7 +32,8 @@ What each architecture fixes (anything else in config.json is refused in one lin
 
 The router loss coefficients are training settings and stay at zoo's 0 on import (HF adds its own loss only with
 ``output_router_logits``, pooled over layers and k times zoo's per-layer one); Mixtral's ``router_jitter_noise``
-must be 0. Notation: h hidden, E experts, I expert width, I_s shared-expert width, d head dim.
+must be 0. zoo's ``capacity_factor`` (token dropping, a training setting) has no HF field: transformers runs
+dropless. Notation: h hidden, E experts, I expert width, I_s shared-expert width, d head dim.
 """
 
 from __future__ import annotations
@@ -156,12 +157,14 @@ def check_experts(groups: list[list[Row]], cfg: GPTConfig, arch: str, layout: st
     more) experts than config.json's count, or a layer lacking some experts' tensors."""
     field = EXPERT_COUNT_FIELD.get(arch, "num_experts")
     E = cfg.num_experts
-    for row in (r for g in groups for r in g if r.zoo.endswith(".mlp.experts.gate_up_proj")):
+    for row in (r for g in groups for r in g if ".mlp.experts." in r.zoo):
         if layout == FUSED:
             key = row.hf[0]
             if key in shapes and shapes[key][0] != E:
                 raise ConvertError(f"{where}: tensor {key} holds {shapes[key][0]} experts but config.json's {field} "
                                    f"is {E}; the checkpoint lacks experts or config.json is wrong")
+            continue
+        if not row.zoo.endswith("gate_up_proj"):  # down_proj names the same experts
             continue
         missing = sorted({int(PER_EXPERT_KEY.match(k).group(2)) for k in row.hf if k not in shapes})
         if missing and len(missing) < E:
