@@ -4,10 +4,14 @@
     python launch/convert.py zoo-to-hf --src models/gpt2 --out hf/gpt2 [--dtype fp32]
     python launch/convert.py verify --hf openai-community/gpt2 --zoo models/gpt2
     torchrun --nproc_per_node 4 launch/convert.py verify --hf HF --zoo models/gpt2 --tp 2 --pp 2
+    python launch/convert.py zoo-to-hf --src models/mixtral --out hf/mixtral [--fused-experts]
+    torchrun --nproc_per_node 4 launch/convert.py verify --hf HF_MIXTRAL --zoo models/mixtral --tp 2 --ep 2
     python launch/convert.py hf-to-zoo --src DDPM_PIPELINE_FOLDER --out models/ddpm   # diffusers: its unet/
 
 hf-to-zoo picks the adapter by the architecture in config.json: GPT2LMHeadModel, LlamaForCausalLM,
-MistralForCausalLM, Qwen2ForCausalLM (``zoo.convert.hf_gpt``, family gpt); BertModel, BertForMaskedLM,
+MistralForCausalLM, Qwen2ForCausalLM (``zoo.convert.hf_gpt``, family gpt), the mixture-of-experts MixtralForCausalLM,
+Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM (``zoo.convert.hf_moe``, family gpt, experts stored one
+tensor per expert or fused; zoo-to-hf writes one per expert unless ``--fused-experts``); BertModel, BertForMaskedLM,
 BertForPreTraining, BertForSequenceClassification (``zoo.convert.hf_bert``, families bert and bert-classifier);
 a diffusers folder (config.json with ``_class_name``, or a pipeline folder with the model in ``unet/``) by that
 class: UNet2DModel (``zoo.convert.hf_diffusers``, family unet-diffusion). zoo-to-hf and verify pick it by the zoo
@@ -17,7 +21,8 @@ UNet2DModel the predicted noise.
 ``--src``/``--hf`` take a local HuggingFace folder (the network is never touched) or a Hub id, resolved through
 huggingface_hub's cache (cache only when HF_HUB_OFFLINE=1). Only safetensors are read unless ``--allow-pickle``
 (diffusers folders: safetensors only); remote code is never run. Bad input prints one line ``error: ...`` and exits
-2; verify prints ``max_abs_diff=<float>`` as its last line and exits 1 when that exceeds ``--tol``.
+2; verify prints ``max_abs_diff=<float>`` as its last line (for MoE GPTs after ``router_topk_agreement=<float>``, the
+fraction of the routers' top-k choices zoo and transformers share) and exits 1 when that exceeds ``--tol``.
 """
 
 from __future__ import annotations
@@ -61,12 +66,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="HF model folder to write (replaced when complete)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast the weights (default: keep)")
     p.add_argument("--max-shard-size", type=parse_size, default=io.DEFAULT_SHARD_BYTES, help="e.g. 2GB (default)")
+    p.add_argument("--fused-experts", action="store_true",
+                   help="mixture-of-experts models: write each layer's experts as two fused tensors "
+                        "(mlp.experts.gate_up_proj [E, 2I, h], down_proj [E, h, I]; transformers 5's "
+                        "save_original_format=False) instead of one tensor per expert (its default)")
 
-    p = sub.add_parser("verify", help="compare zoo's outputs at (tp, pp) with transformers' (or diffusers')")
+    p = sub.add_parser("verify", help="compare zoo's outputs at (tp, pp, ep) with transformers' (or diffusers')")
     p.add_argument("--hf", required=True, help="HF model folder or Hub id")
     p.add_argument("--zoo", required=True, help="zoo model folder")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1, help="expert parallelism (MoE GPTs): must divide the expert count "
+                                                     "and world size / (tp x pp)")
     p.add_argument("--tol", type=float, default=1e-4, help="largest accepted |difference|")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=16, help="sequence length (GPT, BERT; a U-Net's size is its config's)")
@@ -86,18 +97,22 @@ def error(message: str) -> int:
 
 
 def _verify(args) -> int:
-    from zoo.convert.verify import verify
+    from zoo.convert.verify import verify_report
     from zoo.parallel.topology import LayoutError, destroy_model_parallel
 
     try:
-        diff = verify(args.hf, args.zoo, args.tp, args.pp, batch=args.batch, seq=args.seq, seed=args.seed,
-                      allow_pickle=args.allow_pickle)
+        report = verify_report(args.hf, args.zoo, args.tp, args.pp, ep=args.ep, batch=args.batch, seq=args.seq,
+                               seed=args.seed, allow_pickle=args.allow_pickle)
     except (ConvertError, LayoutError, io.CheckpointError) as e:
         return error(str(e))
     finally:
         destroy_model_parallel()
+    diff = report.max_abs_diff
     if _is_rank0():
-        print(f"tp={args.tp} pp={args.pp} tol={args.tol:g} {'ok' if diff <= args.tol else 'FAILED'}", flush=True)
+        ep = f" ep={args.ep}" if args.ep != 1 else ""
+        print(f"tp={args.tp} pp={args.pp}{ep} tol={args.tol:g} {'ok' if diff <= args.tol else 'FAILED'}", flush=True)
+        if report.router_topk_agreement is not None:
+            print(f"router_topk_agreement={report.router_topk_agreement:.4f}", flush=True)
         print(f"max_abs_diff={diff:.3e}", flush=True)
     return 0 if diff <= args.tol else 1
 
@@ -187,15 +202,17 @@ def hf_to_zoo(src, out, *, dtype=None, allow_pickle: bool = False, max_shard_byt
                        f"{', '.join(supported_architectures())}")
 
 
-def zoo_to_hf(src, out, *, dtype=None, max_shard_bytes: int = io.DEFAULT_SHARD_BYTES):
-    """The adapter of the zoo folder's family exports it."""
+def zoo_to_hf(src, out, *, dtype=None, max_shard_bytes: int = io.DEFAULT_SHARD_BYTES, fused_experts: bool = False):
+    """The adapter of the zoo folder's family exports it (``fused_experts``: MoE GPTs only)."""
     from zoo.convert import hf_bert, hf_gpt
 
     family = io.read_config(src)[0]
+    if fused_experts and family != "gpt":
+        raise ConvertError(f"{src} holds a {family!r} model; --fused-experts is for mixture-of-experts GPTs")
     if family in hf_bert.FAMILIES:
         return hf_bert.zoo_to_hf_bert(src, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
     if family == "gpt":
-        return hf_gpt.zoo_to_hf(src, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
+        return hf_gpt.zoo_to_hf(src, out, dtype=dtype, max_shard_bytes=max_shard_bytes, fused_experts=fused_experts)
     if family == "unet-diffusion":  # one diffusion_pytorch_model.safetensors: UNet2DModels are small
         from zoo.convert import hf_diffusers
 
@@ -215,7 +232,8 @@ def main(argv=None) -> int:
             out = hf_to_zoo(args.src, args.out, dtype=dtype, allow_pickle=args.allow_pickle,
                             max_shard_bytes=args.max_shard_size)
         elif args.command == "zoo-to-hf":
-            out = zoo_to_hf(args.src, args.out, dtype=dtype, max_shard_bytes=args.max_shard_size)
+            out = zoo_to_hf(args.src, args.out, dtype=dtype, max_shard_bytes=args.max_shard_size,
+                            fused_experts=args.fused_experts)
         else:
             return _verify(args)
     except (ConvertError, io.CheckpointError) as e:

@@ -9,6 +9,9 @@ Both directions stream: one block's tensors are read (each safetensors file mapp
 transformed and handed to ``io.ShardedWriter``, which writes each tensor to disk as it comes, so memory stays
 near one block (the largest being the embedding).
 
+Mixture-of-experts GPTs (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) take Llama's rows here and their MoE rows, q/k norms
+and config mapping from ``zoo.convert.hf_moe``; the functions below call into it for those architectures.
+
 Qwen2 is Llama with biases on q/k/v (not on o_proj or the MLP): ``GPTConfig(add_bias=False, qkv_bias=True)``,
 the three biases fused per key-value group exactly like the weights; such a zoo GPT exports as Qwen2ForCausalLM.
 
@@ -35,9 +38,13 @@ from safetensors import safe_open
 from zoo.convert import io
 from zoo.models.gpt import GPTConfig
 
-SUPPORTED = ("GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+DENSE = ("GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Mixture-of-experts GPTs: their MoE rows and configs are zoo.convert.hf_moe's; everything else is this module's.
+MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+SUPPORTED = DENSE + MOE
 MODEL_TYPES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-               "qwen2": "Qwen2ForCausalLM"}
+               "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+               "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GENERATION_CONFIG = "generation_config.json"
 SAFE_INDEX, SAFE_SINGLE = "model.safetensors.index.json", "model.safetensors"
@@ -206,6 +213,17 @@ def table_for(arch: str, cfg: GPTConfig, gpt2_prefix: str = "transformer.") -> l
     return gpt2_table(cfg, gpt2_prefix) if arch == "GPT2LMHeadModel" else llama_table(cfg)
 
 
+def groups_for(arch: str, cfg: GPTConfig, gpt2_prefix: str = "transformer.", expert_layout: str = "per-expert") \
+        -> list[list[Row]]:
+    """The conversion groups of ``arch`` (see :func:`blocks`); MoE architectures: ``hf_moe.moe_blocks`` in
+    ``expert_layout`` ("per-expert" or "fused")."""
+    if arch in MOE:
+        from zoo.convert import hf_moe
+
+        return hf_moe.moe_blocks(cfg, arch, expert_layout)
+    return list(blocks(table_for(arch, cfg, gpt2_prefix), cfg.num_hidden_layers))
+
+
 def blocks(table: list[Row], num_layers: int) -> Iterator[list[Row]]:
     """The table's rows with ``{}`` filled in, grouped so a group can be converted at once: the rows before the
     first per-block row, then one group per block, then the rest."""
@@ -250,6 +268,10 @@ def read_hf_config(folder: Path):
     arch = architecture_of(meta, str(folder / "config.json"))
     from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
+    if arch in MOE:
+        from zoo.convert import hf_moe
+
+        return arch, hf_moe.config_classes()[arch].from_dict(meta)
     cls = {"GPT2LMHeadModel": GPT2Config, "LlamaForCausalLM": LlamaConfig, "MistralForCausalLM": MistralConfig,
            "Qwen2ForCausalLM": Qwen2Config}[arch]
     return arch, cls.from_dict(meta)
@@ -282,6 +304,11 @@ def gpt_config(fields: dict) -> GPTConfig:
 
 def gpt_config_from_hf(arch: str, c) -> GPTConfig:
     """The GPTConfig computing what the HF model computes; refuses (one line) what zoo's GPT cannot express."""
+
+    if arch in MOE:
+        from zoo.convert import hf_moe
+
+        return hf_moe.gpt_config_from_moe(arch, c)
 
     def need(ok, msg):
         if not ok:
@@ -331,6 +358,10 @@ def gpt_config_from_hf(arch: str, c) -> GPTConfig:
 
 def export_architecture(cfg: GPTConfig) -> str:
     """The HF architecture computing what this zoo GPT computes (Mistral imports come back as Llama)."""
+    if cfg.num_experts:
+        from zoo.convert import hf_moe
+
+        return hf_moe.export_architecture(cfg)
     features = (cfg.position_embedding_type, cfg.normalization, cfg.activation, cfg.add_bias, cfg.use_qkv_bias)
     if features == ("learned", "layernorm", "gelu", True, True):
         return "GPT2LMHeadModel"
@@ -356,6 +387,10 @@ def hf_config_from_gpt(cfg: GPTConfig, arch: str, dtype: torch.dtype, special: d
     """The transformers config (GPT2Config, LlamaConfig or Qwen2Config, ``architectures`` set) for a zoo GPT."""
     from transformers import GPT2Config, LlamaConfig, Qwen2Config
 
+    if arch in MOE:
+        from zoo.convert import hf_moe
+
+        return hf_moe.hf_config_from_moe(cfg, arch, dtype, special)
     common = dict(vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_word_embeddings,
                   initializer_range=cfg.initializer_range, architectures=[arch],
                   **{k: special.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
@@ -521,8 +556,14 @@ def hf_to_zoo(src, out, *, dtype: torch.dtype | None = None, allow_pickle: bool 
     arch, hf_cfg = read_hf_config(folder)
     cfg = gpt_config_from_hf(arch, hf_cfg)
     ckpt = HFCheckpoint(folder, allow_pickle)
-    table = table_for(arch, cfg, _gpt2_prefix(ckpt.shapes))
-    groups = list(blocks(table, cfg.num_hidden_layers))
+    if arch in MOE:  # either expert layout (hf_moe's docstring)
+        from zoo.convert import hf_moe
+
+        layout = hf_moe.expert_layout(ckpt.shapes)
+        groups = groups_for(arch, cfg, expert_layout=layout)
+        hf_moe.check_experts(groups, cfg, arch, layout, ckpt.shapes, str(folder))
+    else:
+        groups = groups_for(arch, cfg, _gpt2_prefix(ckpt.shapes))
     rows = [r for g in groups for r in g]
     _check_shapes(rows, ckpt.shapes, str(folder))
     used = {k for r in rows for k in r.hf}
@@ -653,13 +694,20 @@ def export_rows(src: Path, out, groups: list[list[Row]], files: dict[str, str], 
     return staging, out_dtype
 
 
-def zoo_to_hf(src, out, *, dtype: torch.dtype | None = None, max_shard_bytes: int = io.DEFAULT_SHARD_BYTES) -> Path:
+def zoo_to_hf(src, out, *, dtype: torch.dtype | None = None, max_shard_bytes: int = io.DEFAULT_SHARD_BYTES,
+              fused_experts: bool = False) -> Path:
     """Write the zoo model folder ``src`` as a HF model folder ``out``: safetensors (one file or sharded with an
-    index), config.json, generation_config.json, tokenizer files, README.md. Streams one block at a time."""
+    index), config.json, generation_config.json, tokenizer files, README.md. Streams one block at a time.
+
+    Mixture-of-experts models are written one tensor per expert (``save_pretrained``'s default), or with
+    ``fused_experts`` as transformers 5 holds them (``save_pretrained(save_original_format=False)``)."""
     src = Path(src)
     cfg = read_zoo_gpt(src, "this converter exports the gpt family")
+    if fused_experts and not cfg.num_experts:
+        raise ConvertError(f"{src} holds a dense GPT (num_experts 0); fused experts are for mixture-of-experts "
+                           f"models: leave out --fused-experts")
     arch = export_architecture(cfg)
-    groups = list(blocks(table_for(arch, cfg), cfg.num_hidden_layers))
+    groups = groups_for(arch, cfg, expert_layout="fused" if fused_experts else "per-expert")
     files, shapes = zoo_weights(src)
     check_zoo_rows(groups, shapes, src)
     final = Path(out)

@@ -1,12 +1,19 @@
-"""A zoo model folder computes what its HuggingFace original computes, at any (tp, pp) layout.
+"""A zoo model folder computes what its HuggingFace original computes, at any (tp, pp, ep) layout.
 
     python launch/convert.py verify --hf HF --zoo DIR
     torchrun --nproc_per_node 4 launch/convert.py verify --hf HF --zoo DIR --tp 2 --pp 2
+    torchrun --nproc_per_node 4 launch/convert.py verify --hf MOE_HF --zoo DIR --tp 2 --ep 2
 
 Every rank builds its part of the zoo model at (tp, pp), reads its slices of the folder (``io.load_model``) and
 runs a fixed, seeded batch; pipeline stages pass activations with ``zoo.parallel.pipe_forward``, the last stage
 gathers the vocab-sharded logits over TP and cuts the padding, and global rank 0 compares them with transformers'
 outputs on the same inputs (fp32 on both sides). As torchtitan checks its converters: by logits.
+
+Mixture-of-experts GPTs (``ep`` > 1 splits each MoE layer's experts over expert-parallel groups of data-parallel
+ranks) are also compared by their routing: forward hooks record the experts each token chose, at every zoo router
+(``MoERouter``'s ``Routing.indices``, gathered over the TP ranks that split the tokens) and at every HF gate (the
+router indices transformers' top-k router returns); ``router_topk_agreement`` is the fraction of the k choices
+per token and MoE layer that both made (1.0: the same experts everywhere).
 
 The zoo folder's family picks the comparison. gpt: next-token logits on token ids. bert / bert-classifier: the
 batch is ``(input_ids, token_type_ids, attention_mask)`` with two segments and padding at the end of the last row;
@@ -18,6 +25,8 @@ tensors (``zoo.models.unet.UNetPipelineModule``), and only rank 0 imports diffus
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -38,7 +47,17 @@ from zoo.parallel.topology import initialize_model_parallel
 # Fields that make two GPTs different models (others, e.g. eps or RoPE settings, show up as a logit difference).
 STRUCTURE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
              "intermediate_size", "position_embedding_type", "normalization", "activation", "add_bias",
-             "tie_word_embeddings")
+             "tie_word_embeddings", "head_dim", "qk_norm", "num_experts", "num_experts_per_tok",
+             "expert_intermediate_size", "shared_intermediate_size", "shared_expert_gate")
+
+
+@dataclass
+class Verification:
+    """What :func:`verify_report` found: the largest |zoo - HF| output difference and, for MoE GPTs, the router
+    top-k agreement (None for dense models)."""
+
+    max_abs_diff: float
+    router_topk_agreement: float | None = None
 
 
 def _either(values: list[int]) -> str:
@@ -46,18 +65,24 @@ def _either(values: list[int]) -> str:
     return values[0] if len(values) == 1 else f"{', '.join(values[:-1])} or {values[-1]}"
 
 
-def layout_problem(cfg: GPTConfig, tp: int, pp: int) -> str | None:
-    """One line saying why (tp, pp) cannot hold this model and which values can, or None."""
-    if tp < 1 or pp < 1:
-        return f"tp and pp must be positive, got tp {tp} pp {pp}"
-    split = {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-             "intermediate_size": cfg.intermediate_size}  # what tensor parallelism cuts
+def layout_problem(cfg: GPTConfig, tp: int, pp: int, ep: int = 1) -> str | None:
+    """One line saying why (tp, pp, ep) cannot hold this model and which values can, or None."""
+    if tp < 1 or pp < 1 or ep < 1:
+        return f"tp, pp and ep must be positive, got tp {tp} pp {pp} ep {ep}"
+    if ep > 1 and not cfg.num_experts:
+        return f"ep {ep} needs a mixture-of-experts model; this one is dense (num_experts 0): use ep 1"
+    if cfg.num_experts % ep:
+        ok = [e for e in range(1, cfg.num_experts + 1) if cfg.num_experts % e == 0]
+        return f"num_experts {cfg.num_experts} is not divisible by ep {ep}; use an ep that divides it: {_either(ok)}"
+    split = {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads}
+    if cfg.has_dense_mlp():  # experts are never split over TP; dense MLPs are
+        split["intermediate_size"] = cfg.intermediate_size
     bad = [(name, n) for name, n in split.items() if n % tp]
     if bad:
         ok = [t for t in range(1, cfg.num_key_value_heads + 1) if all(n % t == 0 for n in split.values())]
         name, n = bad[0]
-        return (f"tp {tp} does not divide {name} {n}; tp must divide num_attention_heads {cfg.num_attention_heads}, "
-                f"num_key_value_heads {cfg.num_key_value_heads} and intermediate_size {cfg.intermediate_size}: "
+        named = [f"{k} {v}" for k, v in split.items()]
+        return (f"tp {tp} does not divide {name} {n}; tp must divide {', '.join(named[:-1])} and {named[-1]}: "
                 f"use {_either(ok)}")
     if pp > cfg.num_hidden_layers:
         return (f"pp {pp} exceeds num_hidden_layers {cfg.num_hidden_layers}; every pipeline stage needs a block: "
@@ -65,10 +90,11 @@ def layout_problem(cfg: GPTConfig, tp: int, pp: int) -> str | None:
     return None
 
 
-def check_zoo(zoo, tp: int, pp: int) -> GPTConfig:
-    """The zoo folder's config, and whether (tp, pp) can hold it; checked on every rank before any process group."""
+def check_zoo(zoo, tp: int, pp: int, ep: int = 1) -> GPTConfig:
+    """The zoo folder's config, and whether (tp, pp, ep) can hold it; checked on every rank before any process
+    group."""
     cfg = read_zoo_gpt(zoo, "this verifier compares gpt models")
-    problem = layout_problem(cfg, tp, pp)
+    problem = layout_problem(cfg, tp, pp, ep)
     if problem:
         raise ConvertError(problem)
     return cfg
@@ -87,6 +113,9 @@ def check_hf(hf, cfg: GPTConfig, *, allow_pickle: bool = False):
         if getattr(theirs, name) != getattr(cfg, name):
             raise ConvertError(f"{hf} and the zoo folder are different models: {name} {getattr(theirs, name)} vs "
                                f"{getattr(cfg, name)}")
+    sparse = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    if sparse != [i for i in range(cfg.num_hidden_layers) if theirs.is_moe_layer(i)]:
+        raise ConvertError(f"{hf} and the zoo folder are different models: the zoo folder's MoE layers are {sparse}")
     return folder
 
 
@@ -96,8 +125,42 @@ def token_ids(cfg: GPTConfig, batch: int = 2, seq: int = 16, seed: int = 0) -> t
     return torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
-def zoo_logits(zoo, cfg: GPTConfig, tp: int, pp: int, ids: torch.Tensor) -> torch.Tensor | None:
-    """``[b, s, vocab_size]`` fp32 logits of the zoo folder at (tp, pp) on global rank 0; None elsewhere."""
+def record_zoo_routing(module, num_tokens: int) -> tuple[dict, list]:
+    """Forward hooks on every ``MoERouter`` of ``module`` (this stage's blocks): ``{block: [T_local, k]
+    chosen experts}`` of the next forward, and the hook handles. ``num_tokens`` (b x s) tells whether a call saw all
+    tokens (T_local == b s) or this TP rank's share of them."""
+    from zoo.models.moe import MoERouter
+
+    chosen, handles = {}, []
+    for name, sub in module.named_modules():
+        if isinstance(sub, MoERouter):
+            block = int(name.split(".")[0]) - 1  # zoo's layer i + 1 is HF's block i (layer 0 is the embedding)
+
+            def hook(_, inputs, routing, block=block):
+                chosen[block] = (routing.indices.shape[0] == num_tokens, routing.indices.detach().cpu())
+
+            handles.append(sub.register_forward_hook(hook))
+    return chosen, handles
+
+
+def merge_zoo_routing(parts: list) -> dict:
+    """``{block: [b s, k]}`` from every rank's ``(tp_rank, recorded)`` (None from ranks of other replicas): each
+    block's TP shares concatenated in TP rank order (every TP rank holds them all when a call was not split)."""
+    merged: dict = {}
+    for tp_rank, chosen in (p for p in parts if p is not None):
+        for block, (whole, indices) in chosen.items():
+            merged.setdefault(block, []).append((tp_rank, whole, indices))
+    out = {}
+    for block, shares in merged.items():
+        shares.sort(key=lambda s: s[0])
+        out[block] = shares[0][2] if shares[0][1] else torch.cat([s[2] for s in shares])
+    return out
+
+
+def zoo_logits(zoo, cfg: GPTConfig, tp: int, pp: int, ids: torch.Tensor, ep: int = 1, routing: dict | None = None) \
+        -> torch.Tensor | None:
+    """``[b, s, vocab_size]`` fp32 logits of the zoo folder at (tp, pp, ep) on global rank 0; None elsewhere.
+    With ``routing`` (a dict), rank 0 also fills it with every MoE block's chosen experts ``[b s, k]``."""
     from deepspeed.accelerator import get_accelerator
 
     from zoo.models.specs import SpecSequential, build_pipeline
@@ -105,43 +168,90 @@ def zoo_logits(zoo, cfg: GPTConfig, tp: int, pp: int, ids: torch.Tensor) -> torc
     from zoo.parallel.pipe_forward import move_tensor, pipeline_forward
 
     device = get_accelerator().current_device_name()
-    grid = initialize_model_parallel(tp, pp)
-    specs = layer_specs(cfg, ParallelOptions(tp_group=grid.tp_group))
+    grid = initialize_model_parallel(tp, pp, ep)
+    ep_group = grid.ep_group if ep > 1 else None
+    specs = layer_specs(cfg, ParallelOptions(tp_group=grid.tp_group, ep_group=ep_group))
     module = build_pipeline(specs, grid, loss_fn=GPTLoss(cfg, grid.tp_group)) if pp > 1 else SpecSequential(specs)
-    io.load_model(zoo, module, grid.tp_group)
+    io.load_model(zoo, module, grid.tp_group, ep_group)  # this rank's slices, this EP rank's experts
     module.to(device).eval()
+    chosen, handles = record_zoo_routing(module, ids.numel()) if cfg.num_experts else ({}, [])
     with torch.no_grad():
         out = pipeline_forward(module, ids.to(device), grid, device)  # [b, s, V_padded / tp] on the last stage
         if out is not None:
             out = gather_from_tensor_model_parallel_region(out, grid.tp_group)[..., : cfg.vocab_size].float()
+    for handle in handles:
+        handle.remove()
+    if cfg.num_experts:  # every replica saw the same batch: the first one's choices
+        parts = gather_objects((grid.tp_rank, chosen) if grid.dp_rank == 0 and getattr(grid, "cp_rank", 0) == 0
+                               else None)
+        if routing is not None and grid.rank == 0:
+            routing.update(merge_zoo_routing(parts))
     last = grid.topology.get_rank(pipe=pp - 1, data=0, model=0)
     logits = move_tensor(out if grid.rank == last else None, last, 0, device)
     return None if logits is None else logits.cpu()
 
 
-def hf_logits(folder, ids: torch.Tensor, *, allow_pickle: bool = False) -> torch.Tensor:
+def hf_logits(folder, ids: torch.Tensor, *, allow_pickle: bool = False, routing: dict | None = None) -> torch.Tensor:
+    """transformers' fp32 logits; with ``routing`` (a dict) also every MoE block's chosen experts ``[b s, k]``, the
+    indices its gate (``model.layers[i].mlp.gate``) returns."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_safetensors=not allow_pickle,
                                                  trust_remote_code=False).eval()
+    handles = []
+    if routing is not None:
+        for i, layer in enumerate(model.model.layers):
+            if hasattr(layer.mlp, "experts"):  # a sparse block (Qwen's dense ones are plain MLPs)
+
+                def hook(_, inputs, out, i=i):
+                    routing[i] = out[2].detach().cpu()  # (router logits, top-k weights, top-k indices)
+
+                handles.append(layer.mlp.gate.register_forward_hook(hook))
     with torch.no_grad():
-        return model(ids).logits.float()
+        logits = model(ids).logits.float()
+    for handle in handles:
+        handle.remove()
+    return logits
 
 
-def verify(hf, zoo, tp: int = 1, pp: int = 1, *, batch: int = 2, seq: int = 16, seed: int = 0,
+def topk_agreement(ours: dict, theirs: dict) -> float:
+    """The fraction of (MoE block, token, choice) where zoo's chosen expert is among HF's for that token; 0 when
+    the two disagree on which blocks are sparse or how many tokens they routed."""
+    if not ours or sorted(ours) != sorted(theirs):
+        return 0.0
+    same = total = 0
+    for block, a in ours.items():
+        b = theirs[block]
+        if a.shape != b.shape:
+            return 0.0
+        same += int((a[:, :, None] == b[:, None, :]).any(-1).sum())
+        total += a.numel()
+    return same / total
+
+
+def verify(hf, zoo, tp: int = 1, pp: int = 1, *, ep: int = 1, batch: int = 2, seq: int = 16, seed: int = 0,
            allow_pickle: bool = False) -> float:
     """max |zoo logits - HF logits| on the fixed batch. Collective: every rank of a world of tp x pp (x dp)
     processes calls it (a plain process is a world of one); every rank returns the same value."""
+    return verify_report(hf, zoo, tp, pp, ep=ep, batch=batch, seq=seq, seed=seed,
+                         allow_pickle=allow_pickle).max_abs_diff
+
+
+def verify_report(hf, zoo, tp: int = 1, pp: int = 1, *, ep: int = 1, batch: int = 2, seq: int = 16, seed: int = 0,
+                  allow_pickle: bool = False) -> Verification:
+    """:func:`verify`'s comparison, with the router top-k agreement for MoE GPTs; the same on every rank."""
     try:
         family = io.read_config(zoo)[0]
     except io.CheckpointError as e:
         raise ConvertError(str(e)) from None
+    if ep != 1 and family != "gpt":
+        raise ConvertError(f"ep {ep} is for mixture-of-experts GPTs; {zoo} holds a {family!r} model: use ep 1")
     if family in hf_bert.FAMILIES:
-        return verify_bert(hf, zoo, tp, pp, batch=batch, seq=seq, seed=seed, allow_pickle=allow_pickle)
+        return Verification(verify_bert(hf, zoo, tp, pp, batch=batch, seq=seq, seed=seed, allow_pickle=allow_pickle))
     if family == "unet-diffusion":
-        return verify_unet(hf, zoo, tp, pp, batch=batch, seed=seed)
-    cfg = check_zoo(zoo, tp, pp)
-    initialize_model_parallel(tp, pp)  # a world size that tp x pp does not divide is refused here, on every rank
+        return Verification(verify_unet(hf, zoo, tp, pp, batch=batch, seed=seed))
+    cfg = check_zoo(zoo, tp, pp, ep)
+    initialize_model_parallel(tp, pp, ep)  # a world size tp x pp (x ep) does not divide is refused here, everywhere
     # Only rank 0 runs transformers; its verdict on the HF side reaches every rank, so all stop together.
     folder, problem = None, None
     if global_rank() == 0:
@@ -153,13 +263,16 @@ def verify(hf, zoo, tp: int = 1, pp: int = 1, *, batch: int = 2, seq: int = 16, 
     if problem:
         raise ConvertError(problem)
     ids = token_ids(cfg, batch, seq, seed)
-    ours = zoo_logits(zoo, cfg, tp, pp, ids)
-    diff = None
+    moe = cfg.num_experts > 0
+    our_routing, their_routing = ({}, {}) if moe else (None, None)
+    ours = zoo_logits(zoo, cfg, tp, pp, ids, ep, our_routing)
+    result = None
     if global_rank() == 0:
-        theirs = hf_logits(folder, ids, allow_pickle=allow_pickle)
+        theirs = hf_logits(folder, ids, allow_pickle=allow_pickle, routing=their_routing)
         # Shapes match after check_hf; a mismatch here must not leave the other ranks waiting.
         diff = (ours - theirs).abs().max().item() if theirs.shape == ours.shape else float("inf")
-    return gather_objects(diff)[0]
+        result = Verification(diff, topk_agreement(our_routing, their_routing) if moe else None)
+    return gather_objects(result)[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------

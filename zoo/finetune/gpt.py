@@ -8,7 +8,8 @@ The run is launch/train.py's (``zoo.training.train.train``: tp/pp/dp/ZeRO, evalu
 with three differences: the weights and the model config come from ``--init`` (a zoo model folder, or a HF folder
 or Hub id converted on the fly), the samples are ``zoo.data.instruct``'s (one example per sample, loss on the
 response tokens only), and the result is written twice: ``<out>/model`` (zoo, layout-free) and ``<out>/hf``
-(``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained`` load it). Everything about the input is checked
+(``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained`` load it), mixture-of-experts models included. Both are
+written also with ``training.save=false``, which turns off the DeepSpeed checkpoints only. Everything about the input is checked
 before any process group exists; each problem is one ``error: ...`` line and exit status 2, and nothing is written.
 """
 
@@ -138,10 +139,10 @@ def run(args, cfg: RunConfig, model_cfg, resume, universal: bool, data: Instruct
                              f"{cfg.global_batch_size} x {tr.seq_length} tokens | {tr.precision} | {data.summary()}",
                   warning)
         result = train_and_save(cfg, model_cfg, grid, Data(data.train, data.valid, cfg.data.tokenizer),
-                                resume=resume, universal=universal)
+                                resume=resume, universal=universal, export=True)
         if rank0 and result.val_losses:
             say(loss_change(result.val_losses, "validation loss (response tokens)"))
-    if not (rank0 and tr.save):
+    if not rank0:
         return 0
     tokenizer = load_tokenizer(out / "model")
     try:

@@ -99,17 +99,19 @@ def start_run(cfg: RunConfig, grid, banner: str, warning: str | None = None) -> 
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
-def train_and_save(cfg: RunConfig, model_cfg, grid, data, *, resume=None, universal: bool = False):
-    """``zoo.training.train.train`` to ``training.steps`` with a progress bar, then (``training.save``) the model as
-    ``<out>/model`` (``io.save_model``: every rank's slices, layout-free, with ``data.tokenizer_dir``'s tokenizer).
-    The engine is destroyed; returns the ``RunResult`` (losses, validation losses) without it."""
+def train_and_save(cfg: RunConfig, model_cfg, grid, data, *, resume=None, universal: bool = False,
+                   export: bool | None = None):
+    """``zoo.training.train.train`` to ``training.steps`` with a progress bar, then (``export``; None: when
+    ``training.save``) the model as ``<out>/model`` (``io.save_model``: every rank's slices, layout-free, with
+    ``data.tokenizer_dir``'s tokenizer). The engine is destroyed; returns the ``RunResult`` (losses, validation
+    losses) without it."""
     from zoo.convert.io import save_model
     from zoo.training.train import destroy_engine, train
 
     result = train(cfg, model_cfg, grid, log=say, resume=resume, universal=universal, data=data, keep_engine=True,
                    progress=True)
     engine, result.engine = result.engine, None
-    if cfg.training.save:
+    if cfg.training.save if export is None else export:
         save_model(Path(cfg.out) / "model", engine.module, grid, cfg.model.family, model_cfg.to_dict(),
                    tokenizer_dir=data.tokenizer_dir)
     destroy_engine(engine)

@@ -107,7 +107,7 @@ def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False, init_
     if init_dir is not None:  # this rank's slices of this stage's tensors, before DeepSpeed takes the module
         from zoo.convert.io import load_model
 
-        load_model(init_dir, module, grid.tp_group)
+        load_model(init_dir, module, grid.tp_group, grid.ep_group if expert_parallel else None)  # EP: own experts
     # Dropout streams, independent of how many layers this rank built; per CP rank too (other tokens).
     model_parallel_seed(tr.seed, grid.tp_rank, grid.cp_rank)
     schedule = partial(lr_factor, steps=tr.steps, warmup_steps=tr.warmup_steps, min_ratio=tr.min_lr / tr.lr)
