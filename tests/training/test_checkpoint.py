@@ -6,6 +6,7 @@ interrupted runs are real processes killed with SIGKILL.
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -99,6 +100,49 @@ def test_sigkill_after_checkpoint_then_resume_is_exact(dist_run, tmp_path, model
     assert [got[s] for s in range(11, 21)] == expected[10:], "resumed losses must equal the uninterrupted run's"
 
 
+def _train_workers(pid: int) -> list[int]:
+    """The launch/train.py processes started by the launcher process ``pid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"launch/train.py" in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def test_sigterm_to_one_rank_saves_that_step_and_exits_0(dist_run, tmp_path):
+    """A tp=2 run whose rank (one of the two) gets SIGTERM mid-run, as Slurm sends before a time limit: both ranks
+    finish the step, save it, and the run exits 0; resumed from that checkpoint, the next losses are the
+    uninterrupted run's (a constant learning rate after warm-up, so the runs' lengths do not matter)."""
+    constant = ["training.min_lr=3e-3"]
+    out = tmp_path / "run"
+    proc = torchrun(2, ["--config", str(CONFIG), "--tp", "2", "--steps", "400", "--no-sample", "--out", str(out),
+                        "--set", *COMMON, *constant])
+    deadline = time.time() + 240
+    while not ((out / "metrics.jsonl").is_file() and len(losses_of(out)) >= 3):
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:] if proc.poll() else "slow"
+        time.sleep(0.1)
+    workers = _train_workers(proc.pid)
+    assert len(workers) == 2, workers
+    os.kill(workers[-1], signal.SIGTERM)
+    log = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 0, log[-3000:]
+    saved = [int(m) for m in re.findall(r"SIGTERM received: checkpoint of step (\d+) saved", log)]
+    assert len(saved) == 1 and 3 <= saved[0] < 400, log[-3000:]
+    step = saved[0]
+    assert (out / "checkpoints" / "latest").read_text() == f"step_{step:08d}"
+    reference = dist_run(2, run_case, ["parallel.tp=2", f"training.steps={step + 2}", "training.save=false",
+                                       *constant], str(tmp_path / "reference"))[0]
+    assert [losses_of(out)[s] for s in range(1, step + 1)] == reference[:step]
+    resumed = dist_run(2, run_case, ["parallel.tp=2", f"training.steps={step + 2}", "training.save=false",
+                                     *constant], str(out), step)[0]
+    assert resumed == reference[step:]
+
+
 def test_tp2_checkpoint_resumes_at_tp1_pp2(dist_run, tmp_path):
     """Saved at tp=2 (ZeRO-1), resumed at tp=1 x pp=2 through DeepSpeed's universal checkpoint; the MoE models
     (experts and router whole on every TP rank; all MoE layers, or dense and MoE mixed with a shared expert) too."""
@@ -131,6 +175,49 @@ def test_expert_parallel_checkpoints_resume_in_place_and_at_another_ep(dist_run,
         resumed = dist_run(2, run_case, moe + ["parallel.zero_stage=1", loaded, "training.save=false"], out, 3,
                            True)[0]
         torch.testing.assert_close(resumed[0], full[3], rtol=1e-5, atol=0, msg=f"{name}: next loss")
+
+
+def test_damaged_checkpoints_are_refused_and_auto_resume_takes_the_newest_intact(dist_run, tmp_path):
+    """Checkpoints at steps 2, 4, 6 with a manifest each; one file of step 6 truncated, one byte of step 4 flipped:
+    --load refuses each in one line naming the file, auto-resume passes over both to step 2 and says so, and the
+    run resumed from there repeats the uninterrupted losses."""
+    from zoo.training import checkpoint as ckpt
+    from zoo.training.train import main
+
+    out = tmp_path / "run"
+    full = dist_run(1, run_case, ["training.steps=6", "training.save_interval=2"], str(out))[0]
+    root = out / "checkpoints"
+    manifest = json.loads((root / "step_00000006" / "manifest.json").read_text())["files"]
+    assert "zoo.json" in manifest and any(name.endswith("model_states.pt") for name in manifest)
+    biggest = max(manifest, key=lambda name: manifest[name]["bytes"])
+    with open(root / "step_00000006" / biggest, "r+b") as f:
+        f.truncate(manifest[biggest]["bytes"] // 2)
+    path = root / "step_00000004" / biggest
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+    with pytest.raises(ckpt.ResumeError, match=rf"step_00000006 is damaged: file {biggest} has \d+ bytes, the manifest "
+                                               rf"says \d+ \(truncated\?\); load another step"):
+        ckpt.find_checkpoint(out)
+    with pytest.raises(ckpt.ResumeError, match=rf"step_00000004 is damaged: file {biggest} does not match its hash"):
+        ckpt.find_checkpoint(out, 4)
+    warnings = []
+    found = ckpt.find_intact(out, warn=warnings.append)
+    assert found.tag == "step_00000002" and len(warnings) == 1
+    assert "step_00000006 (file" in warnings[0] and "step_00000004 (file" in warnings[0], warnings
+    resumed = dist_run(1, run_case, ["training.steps=6", "training.save=false"], str(out), 2)[0]
+    assert resumed == full[2:]
+
+    # The command line: one error line before anything starts, nothing written.
+    args = ["--config", str(CONFIG), "--steps", "6", "--out", str(tmp_path / "other"), "--load", str(out),
+            "--load-step", "4", "--set", *COMMON]
+    assert main(args) == 2 and not (tmp_path / "other").exists()
+    (root / "step_00000002" / "manifest.json").unlink()
+    with pytest.raises(ckpt.ResumeError, match=r"has no manifest.json, so its files cannot be checked .* add "
+                                               r"--allow-no-manifest to load it anyway$"):
+        ckpt.find_checkpoint(out, 2)
+    assert ckpt.find_checkpoint(out, 2, allow_no_manifest=True).step == 2
 
 
 KILL_DURING_SAVE = textwrap.dedent("""

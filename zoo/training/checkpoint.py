@@ -10,6 +10,12 @@ Atomic saves: DeepSpeed writes into ``<tag>.partial``; once every rank has finis
 renames the folder to ``<tag>`` and only then replaces ``latest`` (write to a temporary file, ``os.replace``). A kill
 at any moment leaves ``latest`` naming a complete checkpoint.
 
+Integrity: before ``latest`` moves, every checkpoint gets ``manifest.json``, each file's size and BLAKE2b-128 hash
+(the ranks hash the files between them). ``--load`` and auto-resume check it before any process group starts and
+refuse a damaged checkpoint in one line naming the file; auto-resume then takes the newest intact one and says so.
+A checkpoint without a manifest (an older zoo, or another tool) loads only with ``--allow-no-manifest``:
+DeepSpeed's files are pickles, so ``--load`` is for checkpoints of your own runs.
+
 Exact resume: besides what DeepSpeed stores, each model-parallel rank stores its RNG states (Python, NumPy, torch
 CPU and accelerator, and the tensor-parallel dropout tracker) in ``client_state``; the data order is a pure function
 of the step (``zoo.data``), so the step number is the data position. Loaded into the same layout, the remaining
@@ -42,7 +48,9 @@ from zoo.parallel.shards import barrier, gather_objects, global_rank
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 META = "zoo.json"
+MANIFEST = "manifest.json"
 UNIVERSAL_SUFFIX = "_universal"
+HASH_CHUNK_BYTES = 16 * 1024**2
 
 
 class ResumeError(ValueError):
@@ -78,8 +86,65 @@ class Found:
         return self.meta["step"]
 
 
-def find_checkpoint(load: str | os.PathLike, step: int | None = None) -> Found:
-    """The checkpoint ``--load DIR [--load-step N]`` names, with its metadata; one-line errors otherwise."""
+def file_digest(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(folder: Path) -> None:
+    """Collective: every rank hashes its share of ``folder``'s files; global rank 0 writes the manifest."""
+    import torch.distributed as dist
+
+    files = _files(folder) if global_rank() == 0 else None
+    if dist.is_initialized():
+        box = [files]
+        dist.broadcast_object_list(box, src=0)
+        files = box[0]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    mine = {f: {"bytes": (folder / f).stat().st_size, "blake2b": file_digest(folder / f)}
+            for f in files[global_rank()::world]}
+    entries = {}
+    for part in gather_objects(mine):
+        entries.update(part)
+    if global_rank() == 0:
+        _write_atomic(folder / MANIFEST, json.dumps({"hash": "blake2b-128", "files": dict(sorted(entries.items()))},
+                                                     indent=1))
+
+
+def damage(folder: Path) -> str | None:
+    """What is wrong with the checkpoint ``folder`` against its manifest (None: intact, or no manifest)."""
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        return None
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError):
+        return f"its {MANIFEST} is unreadable"
+    for name, want in files.items():  # sizes first: a truncated file is found without reading anything
+        path = folder / name
+        if not path.is_file():
+            return f"file {name} is missing"
+        if path.stat().st_size != want["bytes"]:
+            return f"file {name} has {path.stat().st_size} bytes, the manifest says {want['bytes']} (truncated?)"
+    for name, want in files.items():
+        if file_digest(folder / name) != want["blake2b"]:
+            return f"file {name} does not match its hash in {MANIFEST} (damaged)"
+    return None
+
+
+def find_checkpoint(load: str | os.PathLike, step: int | None = None, *, verify: bool = True,
+                    allow_no_manifest: bool = False) -> Found:
+    """The checkpoint ``--load DIR [--load-step N]`` names, with its metadata; one-line errors otherwise (also when
+    ``verify`` finds it damaged or, unless ``allow_no_manifest``, without a manifest)."""
     load = Path(load)
     if not load.exists():
         raise ResumeError(f"--load {load}: the folder does not exist")
@@ -97,7 +162,37 @@ def find_checkpoint(load: str | os.PathLike, step: int | None = None) -> Found:
         what = f"step {step}" if step is not None else f"'{tag}' (named by {root / LATEST})"
         raise ResumeError(f"--load {load}: checkpoint {what} is missing or incomplete; complete ones: "
                           f"{', '.join(have) if have else 'none'}")
+    if verify:
+        if not allow_no_manifest and not (root / tag / MANIFEST).is_file():
+            raise ResumeError(f"--load {load}: checkpoint {root / tag} has no {MANIFEST}, so its files cannot be "
+                              f"checked (DeepSpeed's files are pickles: load only checkpoints of your own runs); "
+                              f"add --allow-no-manifest to load it anyway")
+        problem = damage(root / tag)
+        if problem:
+            raise ResumeError(f"--load {load}: checkpoint {root / tag} is damaged: {problem}; load another step "
+                              f"(--load-step) or re-copy it")
     return Found(root, tag, json.loads(meta_path.read_text()))
+
+
+def find_intact(out: str | os.PathLike, warn=None) -> Found | None:
+    """Auto-resume: the newest complete checkpoint of ``out`` that its manifest finds intact (None: none saved);
+    ``warn(line)`` hears about each damaged one passed over. All damaged: a ResumeError."""
+    root = checkpoint_root(out)
+    steps = sorted((p.name for p in root.glob("step_????????") if (p / META).is_file()), reverse=True)
+    latest = read_latest(root)
+    order = ([latest] if latest in steps else []) + [t for t in steps if t != latest]
+    passed = []
+    for tag in order:
+        problem = damage(root / tag) if (root / tag / MANIFEST).is_file() else f"it has no {MANIFEST}"
+        if problem is None:
+            if passed and warn is not None:
+                warn(f"warning: resuming from {root / tag}; passed over {'; '.join(passed)}")
+            return Found(root, tag, json.loads((root / tag / META).read_text()))
+        passed.append(f"{tag} ({problem})")
+    if passed:
+        raise ResumeError(f"no intact checkpoint in {root}: {'; '.join(passed)}; pass --load with "
+                          f"--allow-no-manifest to use one anyway, or another --out to start fresh")
+    return None
 
 
 def universal_checkpoint_info(model_cfg) -> dict:
@@ -206,6 +301,9 @@ def save_checkpoint(engine, root: Path, step: int, meta: dict, client_state: dic
     barrier()
     if global_rank() == 0:
         _write_atomic(root / partial / META, json.dumps({**meta, "step": step}, indent=2))
+    barrier()
+    write_manifest(root / partial)
+    if global_rank() == 0:
         final = root / tag
         if final.exists():  # saving the same step again (e.g. a resumed run): keep the old one until the swap
             old = root / f"{tag}.old"

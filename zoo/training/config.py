@@ -74,6 +74,7 @@ class TrainingSection:
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
+    max_skipped_steps: int = 3  # stop after this many non-finite steps in a row (each is skipped on every rank)
     precision: str = "fp32"  # "fp32" | "bf16" | "fp16"
     log_interval: int = 1
     eval_interval: int = 0  # evaluate on the validation split every N steps (and before step 1, and at the end); 0: never
@@ -284,7 +285,7 @@ def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = N
     if par.sequence_parallel and tr.seq_length % par.tp:
         raise ConfigError(f"training.seq_length {tr.seq_length} is not divisible by tp {par.tp}, "
                           f"which sequence parallelism needs")
-    for name in ("steps", "micro_batch_size", "seq_length", "log_interval"):
+    for name in ("steps", "micro_batch_size", "seq_length", "log_interval", "max_skipped_steps"):
         v = getattr(tr, name)
         if not isinstance(v, int) or v < 1:
             raise ConfigError(f"training.{name} must be a positive integer, got {v!r}")

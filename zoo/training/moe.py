@@ -207,7 +207,7 @@ def expert_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Param
     return [(n, p) for n, p in module.named_parameters() if getattr(p, "expert_parallel", False)]
 
 
-def _link_optimizer_states(engine) -> None:
+def link_optimizer_states(engine) -> None:
     """Point every parameter's tensor fragment at its optimizer states. DeepSpeed links them after its first step,
     but its fragments can lose them afterwards (found empty at a later save), so zoo links them right before use."""
     from deepspeed.utils import lazy_init_hp_params_optimizer_state
@@ -266,7 +266,7 @@ def save_expert_states(engine, grid, folder) -> None:
 
     from safetensors.torch import save_file
 
-    _link_optimizer_states(engine)
+    link_optimizer_states(engine)
     tensors = {}
     for name, param in expert_parameters(engine.module):
         for key in (None, *ADAM_STATES):
@@ -297,7 +297,7 @@ def load_expert_states(engine, grid, folder) -> int:
     where = expert_files(folder)
     if not where:
         return 0
-    _link_optimizer_states(engine)
+    link_optimizer_states(engine)
     count = 0
     for name, param in expert_parameters(engine.module):
         if name not in where:

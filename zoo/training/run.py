@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from zoo.training.checkpoint import ResumeError
+from zoo.training.nonfinite import DivergedError
 from zoo.training.config import ConfigError, RunConfig
 
 
@@ -48,6 +49,9 @@ class RunParser(argparse.ArgumentParser):
                           help="resume from a run folder (or its checkpoints/ folder)" + load_help +
                                ". Without --load, a run resumes from OUT/checkpoints when that exists")
         self.add_argument("--load-step", type=int, metavar="N", help="with --load: that step instead of the latest")
+        self.add_argument("--allow-no-manifest", action="store_true",
+                          help="with --load: accept a checkpoint without manifest.json (whose files zoo cannot "
+                               "check); only for checkpoints of your own runs, DeepSpeed's files are pickles")
         self.add_argument("--set", nargs="+", action="extend", default=[], metavar="SECTION.KEY=VALUE",
                           help="override any config field, e.g. --set training.lr=3e-4 training.micro_batch_size=8")
 
@@ -60,14 +64,20 @@ def command(args, plan, run, errors: tuple = ()) -> int:
     """A run command's main. ``plan(args, world_size)`` checks everything that can be checked before any process
     group exists and returns the arguments of ``run(args, *planned)``, which does the work and returns the exit
     status. A bad input that ``plan`` finds (a ConfigError, a ResumeError or one of ``errors``) is refused: one
-    ``error: ...`` line on stderr from global rank 0, exit status 2, nothing written."""
+    ``error: ...`` line on stderr from global rank 0, exit status 2, nothing written. A run stopped by too many
+    non-finite steps in a row (``zoo.training.nonfinite``) says so in one line too, exit status 3."""
     try:
         planned = plan(args, int(os.environ.get("WORLD_SIZE", "1")))
     except (ConfigError, ResumeError, *errors) as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr)
         return 2
-    return run(args, *planned)
+    try:
+        return run(args, *planned)
+    except DivergedError as e:  # every rank stops at the same step (the skip decision is global)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 3
 
 
 def say(line: str) -> None:

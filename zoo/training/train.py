@@ -315,6 +315,8 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
     from zoo.training import checkpoint as ckpt
     from zoo.training.metrics import device_name, peak_memory_gb, peak_tflops
     from zoo.training.moe import MoETraining
+    from zoo.training.nonfinite import NonFiniteSteps
+    from zoo.training.signals import ExitRequest
 
     tr = cfg.training
     family = get_family(cfg.model.family)
@@ -324,6 +326,8 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
     engine, loss_fn = build_engine(cfg, model_cfg, grid, universal=resume is not None and universal,
                                    init_dir=init_dir)
     moe = MoETraining.attach(engine.module, model_cfg, grid, cfg.gradient_accumulation_steps)
+    nonfinite = NonFiniteSteps(engine, grid, precision=tr.precision, zero_stage=cfg.parallel.zero_stage,
+                               grad_clip=tr.grad_clip, max_in_a_row=tr.max_skipped_steps)
     device = get_accelerator().current_device_name()
     gas = cfg.gradient_accumulation_steps
     start = 0
@@ -384,51 +388,65 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
         log = bar.write
     if start == 0:
         run_eval(0)
-    for step in range(start, tr.steps):
-        t0 = time.perf_counter()
-        lr = engine.get_lr()[0]  # the rate this step uses
-        if moe is not None:
-            moe.before_step(engine, tr.precision)
-        if grid.pp > 1:
-            loss = engine.train_batch(data_iter=batches(step))
-        else:
-            total = torch.zeros((), device=device)
-            for ids, labels in batches(step):
-                micro_loss = loss_fn(engine(ids), labels)
-                engine.backward(micro_loss)
-                engine.step()
-                total += micro_loss.detach().float()
-            loss = total / gas
-            if grid.dp > 1:
-                dist.all_reduce(loss, group=grid.dp_group)
-                loss /= grid.dp
-        loss = float(loss)
-        dt = time.perf_counter() - t0
-        losses.append(loss)
-        grad_norm = engine.get_global_grad_norm()
-        tflops = None if flops_per_step is None else flops_per_step / dt / grid.world_size / 1e12
-        rate = units_per_step / dt
-        record = {"step": step + 1, "loss": loss, "lr": lr,
-                  "grad_norm": None if grad_norm is None else float(grad_norm),
-                  f"{family.unit}_per_s": rate, "tflops_per_device": tflops,
-                  "mfu": None if peak is None or tflops is None else tflops / peak,
-                  "peak_memory_gb": peak_memory_gb(), "step_time_s": dt, **reduced_stats(loss_fn, family),
-                  **(moe.after_step() if moe is not None else {})}
-        metrics.write(record)
-        done = step + 1
-        if bar is not None:
-            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-            bar.update(1)
-        if grid.rank == 0 and (done % tr.log_interval == 0 or done == tr.steps):
-            elapsed = time.perf_counter() - t_start
-            eta = elapsed / (done - start) * (tr.steps - done)
-            speed = f"{rate:.0f} {'tok' if family.unit == 'tokens' else 'samples'}/s"
-            flops = "" if tflops is None else f" | {tflops:.3f} TFLOP/s/device"
-            log(f"step {done}/{tr.steps} | loss {loss:.4f} | lr {record['lr']:.2e} | {speed}{flops} | ETA {eta:.0f}s")
-        if tr.eval_interval and (done % tr.eval_interval == 0 or done == tr.steps):
-            run_eval(done)
-        if tr.save and ((tr.save_interval and done % tr.save_interval == 0) or done == tr.steps):
-            save(done)
+    with ExitRequest() as exit_request:  # SIGTERM / SIGUSR1: save this step and leave (zoo.training.signals)
+        for step in range(start, tr.steps):
+            t0 = time.perf_counter()
+            lr = engine.get_lr()[0]  # the rate this step uses
+            if moe is not None:
+                moe.before_step(engine, tr.precision)
+            if grid.pp > 1:
+                loss = engine.train_batch(data_iter=batches(step))
+            else:
+                total = torch.zeros((), device=device)
+                for ids, labels in batches(step):
+                    micro_loss = loss_fn(engine(ids), labels)
+                    engine.backward(micro_loss)
+                    engine.step()
+                    total += micro_loss.detach().float()
+                loss = total / gas
+                if grid.dp > 1:
+                    dist.all_reduce(loss, group=grid.dp_group)
+                    loss /= grid.dp
+            loss = float(loss)
+            dt = time.perf_counter() - t0
+            losses.append(loss)
+            grad_norm = engine.get_global_grad_norm()
+            tflops = None if flops_per_step is None else flops_per_step / dt / grid.world_size / 1e12
+            rate = units_per_step / dt
+            record = {"step": step + 1, "loss": loss, "lr": lr,
+                      "grad_norm": None if grad_norm is None else float(grad_norm),
+                      f"{family.unit}_per_s": rate, "tflops_per_device": tflops,
+                      "mfu": None if peak is None or tflops is None else tflops / peak,
+                      "peak_memory_gb": peak_memory_gb(), "step_time_s": dt, **reduced_stats(loss_fn, family),
+                      **(moe.after_step() if moe is not None else {}),
+                      **nonfinite.after_step(step + 1, loss, out / ckpt.CHECKPOINTS)}
+            metrics.write(record)
+            if record["skipped"] and grid.rank == 0:
+                log(f"step {step + 1}: loss {loss:.4g}, gradients not finite on some rank: skipped on every rank "
+                    f"(weights unchanged; {nonfinite.in_a_row} in a row, {nonfinite.total} in all)")
+            done = step + 1
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+                bar.update(1)
+            if grid.rank == 0 and (done % tr.log_interval == 0 or done == tr.steps):
+                elapsed = time.perf_counter() - t_start
+                eta = elapsed / (done - start) * (tr.steps - done)
+                speed = f"{rate:.0f} {'tok' if family.unit == 'tokens' else 'samples'}/s"
+                flops = "" if tflops is None else f" | {tflops:.3f} TFLOP/s/device"
+                log(f"step {done}/{tr.steps} | loss {loss:.4f} | lr {record['lr']:.2e} | {speed}{flops} | "
+                    f"ETA {eta:.0f}s")
+            if tr.eval_interval and (done % tr.eval_interval == 0 or done == tr.steps):
+                run_eval(done)
+            leave = exit_request.agreed(device)
+            if tr.save and ((tr.save_interval and done % tr.save_interval == 0) or done == tr.steps or leave):
+                save(done)
+            if leave:
+                if grid.rank == 0:
+                    said = (f"checkpoint of step {done} saved in {out / ckpt.CHECKPOINTS}; the same command (or "
+                            f"--load {out}) continues from it" if tr.save else
+                            f"stopped after step {done} (training.save is false: no checkpoint)")
+                    log(f"{exit_request.name} received: {said}")
+                break
     if bar is not None:
         bar.close()
     metrics.close()
@@ -475,9 +493,14 @@ def resume_plan(cfg: RunConfig, model_cfg, args):
     if args.load is None and args.load_step is not None:
         raise ConfigError("--load-step needs --load DIR")
     if args.load is not None:
-        found = ckpt.find_checkpoint(args.load, args.load_step)
-    elif cfg.training.save and ckpt.read_latest(Path(cfg.out) / ckpt.CHECKPOINTS) is not None:
-        found = ckpt.find_checkpoint(cfg.out)  # Megatron's habit: a run resumes where it saved
+        found = ckpt.find_checkpoint(args.load, args.load_step,
+                                     allow_no_manifest=getattr(args, "allow_no_manifest", False))
+    elif cfg.training.save and (Path(cfg.out) / ckpt.CHECKPOINTS).is_dir():
+        # Megatron's habit: a run resumes where it saved (the newest intact checkpoint)
+        found = ckpt.find_intact(cfg.out, warn=lambda line: os.environ.get("RANK", "0") == "0" and
+                                 print(line, file=sys.stderr, flush=True))
+        if found is None:
+            return None, False
     else:
         return None, False
     meta = found.meta

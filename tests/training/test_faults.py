@@ -1,0 +1,100 @@
+"""Faults a long run meets: non-finite steps (skipped on every rank, a run of them stops the run)."""
+
+import math
+
+import pytest
+import torch
+
+from tests.training.test_checkpoint import COMMON, CONFIG
+
+CONSTANT_LR = ["training.min_lr=3e-3"]  # COMMON's lr after warm-up: a run's length does not change its steps
+
+
+class Poisoned:
+    """The loss function of a run, with NaN losses on one rank in chosen optimizer steps (1-based)."""
+
+    def __init__(self, loss_fn, rank: int, steps, gas: int):
+        self.loss_fn, self.rank, self.steps, self.gas, self.calls = loss_fn, rank, set(steps), gas, 0
+
+    def __call__(self, logits, labels):
+        import torch.distributed as dist
+
+        loss = self.loss_fn(logits, labels)
+        self.calls += 1
+        if dist.get_rank() == self.rank and (self.calls - 1) // self.gas + 1 in self.steps:
+            loss = loss * float("nan")
+        return loss
+
+    def __getattr__(self, name):  # the statistics the loop reads from the loss function
+        return getattr(self.loss_fn, name)
+
+
+def nan_case(overrides, out, nan_steps):
+    """train() with NaN losses on rank 1 in ``nan_steps``; returns (losses, skipped records, weights, Adam's exp_avg
+    sums, engine.skipped_steps) of this rank."""
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    import zoo.training.train as T
+    from zoo.parallel.topology import initialize_model_parallel
+    from zoo.training.config import load, validate
+
+    cfg = load(CONFIG, COMMON + CONSTANT_LR + list(overrides) + ["training.save=false", f"out={out}"])
+    model_cfg = validate(cfg, dist.get_world_size())
+    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp)
+    real = T.build_engine
+
+    def build(*args, **kwargs):
+        engine, loss_fn = real(*args, **kwargs)
+        return engine, Poisoned(loss_fn, 1, nan_steps, cfg.gradient_accumulation_steps)
+
+    T.build_engine = build
+    try:
+        result = T.train(cfg, model_cfg, grid, log=lambda s: None, keep_engine=True)
+    finally:
+        T.build_engine = real
+    engine = result.engine
+    weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    from zoo.training.moe import link_optimizer_states
+
+    link_optimizer_states(engine)
+    moments = []
+    for p in engine.module.parameters():
+        state = safe_get_full_optimizer_state(p, "exp_avg")
+        moments.append(float((state if state is not None else engine.optimizer.state[p]["exp_avg"]).sum()))
+    skipped = engine.skipped_steps
+    T.destroy_engine(engine)
+    records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()] \
+        if dist.get_rank() == 0 else []
+    return result.losses, [r["step"] for r in records if r.get("skipped")], weights, moments, skipped
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_nan_on_one_rank_skips_the_step_on_both(dist_run, tmp_path, zero):
+    """tp=2: rank 1's loss is NaN in step 4 (its gradients, through TP's backward, NaN on both ranks). Without
+    ZeRO zoo's guard, with ZeRO-1 DeepSpeed's own check, skip it on both ranks: weights and Adam state after step 4
+    are those after step 3, bit for bit; the step is counted and the run goes on with finite losses."""
+    layout = ["parallel.tp=2", f"parallel.zero_stage={zero}"]
+    before = dist_run(2, nan_case, layout + ["training.steps=3"], str(tmp_path / "three"), [])
+    after = dist_run(2, nan_case, layout + ["training.steps=4"], str(tmp_path / "four"), [4])
+    for rank in range(2):
+        assert after[rank][0][:3] == before[rank][0]
+        assert after[rank][4] == 1 and before[rank][4] == 0, "engine.skipped_steps"
+        for name, w in before[rank][2].items():
+            assert torch.equal(after[rank][2][name], w), f"rank {rank}: {name} changed in the skipped step"
+        assert after[rank][3] == before[rank][3], f"rank {rank}: Adam's moments changed in the skipped step"
+    assert after[0][1] == [4], "metrics.jsonl marks step 4 skipped"
+    assert math.isnan(after[1][0][3])
+    going_on = dist_run(2, nan_case, layout + ["training.steps=6"], str(tmp_path / "six"), [4])
+    assert all(math.isfinite(loss) for loss in going_on[0][0][4:]) and going_on[0][1] == [4]
+
+
+def test_nan_steps_in_a_row_stop_the_run_in_one_line(dist_run, tmp_path):
+    with pytest.raises(AssertionError, match=r"DivergedError: step 5: loss or gradients not finite in 3 steps in a "
+                                             r"row \(training.max_skipped_steps 3\); the weights are those before "
+                                             r"them, no checkpoint saved; try a lower training.lr"):
+        dist_run(2, nan_case, ["parallel.tp=2", "training.steps=8"], str(tmp_path / "run"), [3, 4, 5])
