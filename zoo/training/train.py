@@ -119,7 +119,6 @@ def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False, init_
         moe.mark_expert_params(module, grid.expert_group_name)
     if getattr(model_cfg, "num_experts", 0):
         groups = moe.split_expert_param_groups(groups, expert_parallel)
-    skip_muon_import()
     with moe.deepspeed_sees_moe() if expert_parallel else contextlib.nullcontext():
         engine, *_ = deepspeed.initialize(model=module, model_parameters=groups, config=ds_config, mpu=mpu,
                                           lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
@@ -132,18 +131,6 @@ def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False, init_
 
         engine.clip_fp32_gradients = clip_fp32_gradients
     return engine, loss_fn
-
-
-MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
-
-
-def skip_muon_import() -> None:
-    """zoo trains with AdamW. DeepSpeed's ZeRO support check imports its Muon optimizer module when it can (inside
-    ``try/except ImportError``), and that module's ``torch.compile`` decorators import all of TorchInductor: 2.3 s
-    of every process's start (measured here, idle cores: a one-step ``launch/train.py``, 9.1 s -> 5.9 s). A ``None`` in
-    ``sys.modules`` makes that import fail as "not installed", so the check simply leaves Muon out."""
-    if MUON_MODULE not in sys.modules:
-        sys.modules[MUON_MODULE] = None
 
 
 def destroy_engine(engine) -> None:
