@@ -162,19 +162,27 @@ class _Pools:
             raise
 
     def retire(self, world_size: int, fn, *args, **kwargs):
-        """Like the call, then close that pool (the next test starts a fresh one).
+        """Like the call, without the thread guard; then, once the pool holds more than half the guard's bound of
+        extra threads, close it (the next test starts a fresh one).
 
         For DeepSpeed ZeRO-3 engines: after ``destroy`` they stay reachable from autograd state that Python's
         garbage collector cannot see, and keep their process groups (4 per engine, 2 threads each) until the
-        process ends. The thread guard is not checked; the pool's end frees what the task held.
+        process ends. A pool takes one or two such tasks before it is closed, and the guarded tasks after them
+        still have half the bound to themselves.
         """
         pool = self.pools.pop(world_size, None)
         if pool is None or not pool.alive:
             pool = DistPool(world_size)
         try:
-            return pool.run(fn, *args, _guard=False, **kwargs)
-        finally:
+            out = pool.run(fn, *args, _guard=False, **kwargs)
+        except BaseException:
             pool.close()
+            raise
+        if any(n > s + THREAD_BOUND // 2 for n, s in zip(pool.threads, pool.start_threads)):
+            pool.close()
+        else:
+            self.pools[world_size] = pool
+        return out
 
     def close(self):
         for pool in self.pools.values():

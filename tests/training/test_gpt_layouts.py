@@ -94,8 +94,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("model,nproc,flags", [("gpt2", 4, ["--tp", "2", "--pp", "2"]),
-                                               ("llama", 2, ["--tp", "2", "--set", "parallel.sequence_parallel=true"])])
+@pytest.mark.parametrize("model,nproc,flags", [("gpt2", 4, ["--tp", "2", "--pp", "2"])])  # llama: cp's torchrun test
 def test_torchrun_launch_matches_single_process(dist_run, tmp_path, model, nproc, flags):
     expected = reference(dist_run, model)
     out = tmp_path / "run"

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SHORT = ["--steps", "12", "--eval-interval", "6", "--save-interval", "6", "--set", "training.eval_iters=2",
-         "training.log_interval=6", "training.seq_length=64", "training.micro_batch_size=4",
+SHORT = ["--steps", "6", "--eval-interval", "3", "--save-interval", "3", "--set", "training.eval_iters=2",
+         "training.log_interval=3", "training.seq_length=64", "training.micro_batch_size=4",
          "training.global_batch_size=8"]
 
 
@@ -34,15 +34,15 @@ def check_run_folder(out: Path, log: str):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "loss" in r]
     valid = [r for r in records if "val_loss" in r]
-    assert [r["step"] for r in train] == list(range(1, 13))
-    assert [r["step"] for r in valid] == [0, 6, 12]
+    assert [r["step"] for r in train] == list(range(1, 7))
+    assert [r["step"] for r in valid] == [0, 3, 6]
     assert all(abs(r["val_ppl"] - 2.718281828 ** r["val_loss"]) < 1e-6 * r["val_ppl"] for r in valid)
     for key in ("lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu", "peak_memory_gb", "step_time_s"):
         assert key in train[0], key
     assert valid[-1]["val_loss"] < valid[0]["val_loss"]
     assert list((out / "tb").glob("events.out.tfevents.*"))
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (out / "checkpoints" / "latest").read_text() == "step_00000012"
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000006"
     files = {p.name for p in (out / "model").iterdir()}
     assert {"config.json", "tokenizer.json"} <= files
     assert "model.safetensors" in files or "model.safetensors.index.json" in files  # one file per stage at pp > 1

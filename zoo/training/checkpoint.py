@@ -350,6 +350,35 @@ def to_universal(found: Found) -> str:
     return tag
 
 
+def fit_padded_vectors(module, universal_folder: Path, grid) -> int:
+    """Collective: give the 1-D vocabulary-padded parameters of a universal checkpoint (BERT's MLM decoder bias)
+    this layout's padded length; returns how many this rank rewrote.
+
+    DeepSpeed strips and re-adds vocabulary padding only for 2-D tensors (rows), so a bias padded to 1152 at tp 1
+    cannot load at tp 2 (1280): its entries (``zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt``) are cut to the true
+    vocabulary (the parameter's ``unpadded_size``) and padded with zeros to this layout's size. The padded columns
+    take no part in the loss (``vocab_parallel_cross_entropy`` masks them), so the resumed run is the same. One rank
+    per stage (tp, dp and cp rank 0) writes; the others wait."""
+    import torch.nn.functional as F
+
+    count = 0
+    if grid.tp_rank == 0 and grid.dp_rank == 0 and grid.cp_rank == 0:
+        for name, param in module.named_parameters():
+            true_size = getattr(param, "unpadded_size", None)
+            if true_size is None or param.dim() != 1:
+                continue
+            size = param.shape[0] * (grid.tp if getattr(param, "tensor_model_parallel", False) else 1)
+            for key in ("fp32", "exp_avg", "exp_avg_sq"):
+                path = universal_folder / "zero" / name / f"{key}.pt"
+                entry = torch.load(path, weights_only=False)  # written by ds_to_universal from this run's files
+                if entry["param"].shape[0] != size:
+                    entry["param"] = F.pad(entry["param"][:true_size], (0, size - true_size))
+                    torch.save(entry, path)
+                    count += 1
+    barrier()
+    return count
+
+
 def load_checkpoint(engine, found: Found, *, universal: bool, cp_rank: int = 0, grid=None) -> dict:
     """Load into the engine; restores RNG states when the layout is the same. Returns DeepSpeed's client state.
 
@@ -360,6 +389,8 @@ def load_checkpoint(engine, found: Found, *, universal: bool, cp_rank: int = 0, 
 
     expert_parallel = grid is not None and grid.ep > 1
     tag = to_universal(found) if universal else found.tag
+    if universal and grid is not None:
+        fit_padded_vectors(engine.module, found.root / tag, grid)
     with moe.checkpoint_as_dense(engine) if expert_parallel else contextlib.nullcontext():
         path, client_state = engine.load_checkpoint(str(found.root), tag=tag, load_optimizer_states=True,
                                                     load_lr_scheduler_states=True)
