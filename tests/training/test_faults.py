@@ -98,3 +98,45 @@ def test_nan_steps_in_a_row_stop_the_run_in_one_line(dist_run, tmp_path):
                                              r"row \(training.max_skipped_steps 3\); the weights are those before "
                                              r"them, no checkpoint saved; try a lower training.lr"):
         dist_run(2, nan_case, ["parallel.tp=2", "training.steps=8"], str(tmp_path / "run"), [3, 4, 5])
+
+
+def test_a_killed_rank_makes_the_other_exit_with_a_message(tmp_path):
+    """Two processes started by hand (no launcher to tear the group down): rank 1 is killed with SIGKILL mid-run;
+    rank 0 leaves within the collective timeout with one line (exit status 4), not a hang or a traceback."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from tests.training.test_checkpoint import ROOT, losses_of
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "run"
+    args = [sys.executable, str(ROOT / "launch/train.py"), "--config", str(CONFIG), "--steps", "2000", "--no-sample",
+            "--out", str(out), "--set", *COMMON, "training.save=false", "training.collective_timeout_minutes=0.5"]
+    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, OMP_NUM_THREADS="1", RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+             for r in range(2)]
+    try:
+        deadline = time.time() + 120
+        while not ((out / "metrics.jsonl").is_file() and len(losses_of(out)) >= 2):
+            assert all(p.poll() is None for p in procs) and time.time() < deadline, "the run did not start"
+            time.sleep(0.1)
+        procs[1].send_signal(signal.SIGKILL)
+        killed = time.time()
+        _, err = procs[0].communicate(timeout=60)
+        waited = time.time() - killed
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert procs[0].returncode == 4, err[-3000:]
+    assert waited < 30, waited  # the timeout (30 s) bounds it; a closed connection is seen at once
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and lines[0].startswith("error: rank 0: a collective of step ") and \
+        "another rank died or stopped answering (training.collective_timeout_minutes 0.5)" in lines[0], err[-3000:]

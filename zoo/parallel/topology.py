@@ -354,11 +354,12 @@ _CURRENT: ParallelGrid | None = None
 _EVERY_GRID: "weakref.WeakSet[ParallelGrid]" = weakref.WeakSet()  # also those a caller still holds
 
 
-def initialize_model_parallel(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1) -> ParallelGrid:
+def initialize_model_parallel(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
+                              timeout_minutes: float | None = None) -> ParallelGrid:
     """Build (or reuse) the grid for this layout and make it the default for layers built afterwards.
 
-    Starts torch.distributed first when needed, so it works in one plain process with no launcher.
-    The layout is validated before any process group is created.
+    Starts torch.distributed first when needed (with ``timeout_minutes`` for every collective, if given), so it
+    works in one plain process with no launcher. The layout is validated before any process group is created.
     """
     global _CURRENT
     if dist.is_available() and dist.is_initialized():
@@ -366,7 +367,7 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1
     else:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         check_layout(world, tp, pp, ep, cp)
-        init_distributed()
+        init_distributed(timeout_minutes)
     key = (tp, pp, ep, cp)
     if key not in _GRIDS:
         _GRIDS[key] = ParallelGrid(tp, pp, ep, cp)

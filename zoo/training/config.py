@@ -75,6 +75,7 @@ class TrainingSection:
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
     max_skipped_steps: int = 3  # stop after this many non-finite steps in a row (each is skipped on every rank)
+    collective_timeout_minutes: float = 10.0  # a collective waiting longer fails (a rank died or hangs), as Megatron's
     precision: str = "fp32"  # "fp32" | "bf16" | "fp16"
     log_interval: int = 1
     eval_interval: int = 0  # evaluate on the validation split every N steps (and before step 1, and at the end); 0: never
@@ -289,6 +290,10 @@ def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = N
         v = getattr(tr, name)
         if not isinstance(v, int) or v < 1:
             raise ConfigError(f"training.{name} must be a positive integer, got {v!r}")
+    if isinstance(tr.collective_timeout_minutes, bool) or not isinstance(tr.collective_timeout_minutes, (int, float)) \
+            or not tr.collective_timeout_minutes > 0:
+        raise ConfigError(f"training.collective_timeout_minutes must be a positive number of minutes, got "
+                          f"{tr.collective_timeout_minutes!r}")
 
     per_step = tr.micro_batch_size * cfg.dp
     if tr.global_batch_size is None:

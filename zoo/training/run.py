@@ -20,6 +20,7 @@ import yaml
 
 from zoo.training.checkpoint import ResumeError
 from zoo.training.nonfinite import DivergedError
+from zoo.training.signals import CollectiveError
 from zoo.training.config import ConfigError, RunConfig
 
 
@@ -65,7 +66,8 @@ def command(args, plan, run, errors: tuple = ()) -> int:
     group exists and returns the arguments of ``run(args, *planned)``, which does the work and returns the exit
     status. A bad input that ``plan`` finds (a ConfigError, a ResumeError or one of ``errors``) is refused: one
     ``error: ...`` line on stderr from global rank 0, exit status 2, nothing written. A run stopped by too many
-    non-finite steps in a row (``zoo.training.nonfinite``) says so in one line too, exit status 3."""
+    non-finite steps in a row (``zoo.training.nonfinite``) says so in one line too, exit status 3; a rank whose
+    collective failed (another rank died or stopped answering), exit status 4."""
     try:
         planned = plan(args, int(os.environ.get("WORLD_SIZE", "1")))
     except (ConfigError, ResumeError, *errors) as e:
@@ -78,6 +80,9 @@ def command(args, plan, run, errors: tuple = ()) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 3
+    except CollectiveError as e:  # each survivor says it: rank 0 may be the rank that died
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 4
 
 
 def say(line: str) -> None:
@@ -89,7 +94,8 @@ def process_group(cfg: RunConfig):
     """The (tp, pp, cp) grid of the run, torn down on the way out (also after an error)."""
     from zoo.parallel.topology import destroy_model_parallel, initialize_model_parallel
 
-    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.cp)
+    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.cp,
+                                     timeout_minutes=cfg.training.collective_timeout_minutes)
     try:
         yield grid
     finally:

@@ -5,10 +5,16 @@ preemption) make the run finish its current step, save a checkpoint of it and ex
 A signal may reach some ranks only, or reach them in different steps, so after every step the ranks agree on it
 with one all-reduce of a flag (MAX over all ranks): every rank leaves after the same step. Outside the loop the
 previous handlers are back, so a signal during set-up or export behaves as usual.
+
+Leaving when a peer is gone: a collective fails when another rank's process died (gloo sees the connection close)
+or when it waits longer than ``training.collective_timeout_minutes`` (a rank that hangs). The loop turns that
+into one line on each surviving rank (:func:`collective_failure`; exit status 4) instead of a traceback or a hang.
 """
 
 from __future__ import annotations
 
+import contextlib
+import re
 import signal
 import threading
 
@@ -51,3 +57,32 @@ class ExitRequest:
         if flag.item() and not self.received:
             self.received = int(flag.item())  # another rank's signal
         return bool(flag.item())
+
+
+class CollectiveError(RuntimeError):
+    """A collective of a training step failed on this rank; the message is one line."""
+
+
+def collective_failure(error: BaseException, rank: int, step: int, timeout_minutes: float) -> CollectiveError:
+    """The one-line account of a failed collective (``torch.distributed.DistBackendError``): a peer process died
+    (gloo: the connection closed; NCCL: a remote error) or stopped answering for ``timeout_minutes``."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0]  # gloo: "[<source file>:<line>] Read error ..."
+    return CollectiveError(f"rank {rank}: a collective of step {step} failed ({first[:200]}); another rank died or "
+                           f"stopped answering (training.collective_timeout_minutes {timeout_minutes:g}): its own "
+                           f"log or the launcher's says which and why; the same command resumes from the newest "
+                           f"intact checkpoint")
+
+
+@contextlib.contextmanager
+def collectives_guarded(grid, step, timeout_minutes: float):
+    """Inside: a failed collective (``torch.distributed.DistBackendError``, or gloo's RuntimeError) becomes a
+    CollectiveError naming this rank and the step (``step()``: the step being run)."""
+    try:
+        yield
+    except RuntimeError as e:
+        text = str(e).lower()
+        # NCCL's failures are DistBackendError; gloo's are plain RuntimeErrors from its transport.
+        if not (isinstance(e, dist.DistBackendError) or "gloo" in text or "nccl" in text):
+            raise
+        raise collective_failure(e, grid.rank, step(), timeout_minutes) from None

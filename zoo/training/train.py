@@ -316,7 +316,7 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
     from zoo.training.metrics import device_name, peak_memory_gb, peak_tflops
     from zoo.training.moe import MoETraining
     from zoo.training.nonfinite import NonFiniteSteps
-    from zoo.training.signals import ExitRequest
+    from zoo.training.signals import ExitRequest, collectives_guarded
 
     tr = cfg.training
     family = get_family(cfg.model.family)
@@ -388,7 +388,9 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
         log = bar.write
     if start == 0:
         run_eval(0)
-    with ExitRequest() as exit_request:  # SIGTERM / SIGUSR1: save this step and leave (zoo.training.signals)
+    step = start
+    with ExitRequest() as exit_request, collectives_guarded(grid, lambda: step + 1, tr.collective_timeout_minutes), \
+            contextlib.closing(bar) if bar is not None else contextlib.nullcontext():  # its line ends on an error too
         for step in range(start, tr.steps):
             t0 = time.perf_counter()
             lr = engine.get_lr()[0]  # the rate this step uses
