@@ -280,3 +280,34 @@ def test_bad_load_arguments(capsys, tmp_path, dist_run):
     assert "global batch 4 x 32" in msg
     kept = sorted(p.name for p in (out / "checkpoints").iterdir() if not p.name.endswith(".py"))
     assert kept == ["latest", "step_00000002"]  # nothing was touched by the refused runs (DeepSpeed adds its scripts)
+
+
+def test_a_failing_save_leaves_the_previous_checkpoints_and_says_so(dist_run, tmp_path):
+    """A run resumed from its step-2 checkpoint under a file size limit smaller than its checkpoint files (as a full
+    disk fails a write): its step-4 save fails, the run stops with one line (exit status 5), no partial folder is
+    left, latest still names step 2, which loads."""
+    import resource
+
+    from zoo.training.checkpoint import find_checkpoint
+
+    out = tmp_path / "run"
+    args = [sys.executable, str(ROOT / "launch/train.py"), "--config", str(CONFIG), "--no-sample", "--out", str(out),
+            "--set", *COMMON]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    dist_run(1, run_case, ["training.steps=2"], str(out))  # the step-2 checkpoint, written without a limit
+    biggest = max(p.stat().st_size for p in (out / "checkpoints" / "step_00000002").rglob("*.pt"))
+
+    def limit_file_size():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (biggest // 2, biggest // 2))
+
+    second = subprocess.run(args + ["training.steps=4"], capture_output=True, text=True, env=env, timeout=300,
+                            preexec_fn=limit_file_size)
+    assert second.returncode == 5, second.stdout[-2000:] + second.stderr[-3000:]
+    errors = [line for line in second.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "the checkpoint of step 4 could not be written (" in errors[0] and \
+        "is the disk full, a file size limit set" in errors[0] and "the previous checkpoints are intact (newest: " \
+        f"{out / 'checkpoints' / 'step_00000002'})" in errors[0], second.stderr[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_")) == ["step_00000002"]
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000002"
+    assert find_checkpoint(out).step == 2

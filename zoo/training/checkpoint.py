@@ -8,7 +8,9 @@ Layout of ``<out>/checkpoints``::
 
 Atomic saves: DeepSpeed writes into ``<tag>.partial``; once every rank has finished, rank 0 adds ``zoo.json``,
 renames the folder to ``<tag>`` and only then replaces ``latest`` (write to a temporary file, ``os.replace``). A kill
-at any moment leaves ``latest`` naming a complete checkpoint.
+at any moment leaves ``latest`` naming a complete checkpoint. A save that fails (disk full, a file size limit,
+permissions) on any rank removes its partial folder and stops the run on every rank with one line (``SaveError``);
+the previous checkpoints are untouched.
 
 Integrity: before ``latest`` moves, every checkpoint gets ``manifest.json``, each file's size and BLAKE2b-128 hash
 (the ranks hash the files between them). ``--load`` and auto-resume check it before any process group starts and
@@ -55,6 +57,10 @@ HASH_CHUNK_BYTES = 16 * 1024**2
 
 class ResumeError(ValueError):
     """A checkpoint that cannot be resumed here; the message names the folder and what to do."""
+
+
+class SaveError(RuntimeError):
+    """A checkpoint that could not be written (every rank raises it); the message is one line."""
 
 
 def tag_for(step: int) -> str:
@@ -294,14 +300,31 @@ def save_checkpoint(engine, root: Path, step: int, meta: dict, client_state: dic
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(root / partial, ignore_errors=True)  # left by a run killed while saving
     barrier()
-    with moe.checkpoint_as_dense(engine) if expert_parallel else contextlib.nullcontext():
-        engine.save_checkpoint(str(root), tag=partial, client_state={**client_state, **rng}, save_latest=False)
-    if expert_parallel:
+    failure = None
+    try:
+        with moe.checkpoint_as_dense(engine) if expert_parallel else contextlib.nullcontext():
+            engine.save_checkpoint(str(root), tag=partial, client_state={**client_state, **rng}, save_latest=False)
+    except (OSError, RuntimeError) as e:  # disk full, a size limit, permissions (torch.save's writer raises
+        failure = e  # RuntimeError); the ranks that wrote are in DeepSpeed's closing barrier
+        barrier()
+    if expert_parallel and failure is None:
         moe.save_expert_states(engine, grid, root / partial)
     barrier()
-    if global_rank() == 0:
-        _write_atomic(root / partial / META, json.dumps({**meta, "step": step}, indent=2))
-    barrier()
+    if global_rank() == 0 and failure is None:
+        try:
+            _write_atomic(root / partial / META, json.dumps({**meta, "step": step}, indent=2))
+        except OSError as e:
+            failure = e
+    failures = [f for f in gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}") if f]
+    if failures:  # every rank: the partial folder goes, the previous checkpoints stay as they are
+        if global_rank() == 0:
+            shutil.rmtree(root / partial, ignore_errors=True)
+        barrier()
+        last = read_latest(root)
+        raise SaveError(f"the checkpoint of step {step} could not be written ({failures[0][:300]}): is the disk "
+                        f"full, a file size limit set, {root} not writable? Nothing of it is left; the previous "
+                        f"checkpoints are intact (newest: {root / last if last else 'none'}); fix that and the same "
+                        f"command resumes" + (f" from {last}" if last else ""))
     write_manifest(root / partial)
     if global_rank() == 0:
         final = root / tag

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from zoo.training.checkpoint import ResumeError
+from zoo.training.checkpoint import ResumeError, SaveError
 from zoo.training.nonfinite import DivergedError
 from zoo.training.signals import CollectiveError
 from zoo.training.config import ConfigError, RunConfig
@@ -67,7 +67,8 @@ def command(args, plan, run, errors: tuple = ()) -> int:
     status. A bad input that ``plan`` finds (a ConfigError, a ResumeError or one of ``errors``) is refused: one
     ``error: ...`` line on stderr from global rank 0, exit status 2, nothing written. A run stopped by too many
     non-finite steps in a row (``zoo.training.nonfinite``) says so in one line too, exit status 3; a rank whose
-    collective failed (another rank died or stopped answering), exit status 4."""
+    collective failed (another rank died or stopped answering), exit status 4; a checkpoint that could not be
+    written (its partial folder removed, the older ones intact), exit status 5."""
     try:
         planned = plan(args, int(os.environ.get("WORLD_SIZE", "1")))
     except (ConfigError, ResumeError, *errors) as e:
@@ -83,6 +84,10 @@ def command(args, plan, run, errors: tuple = ()) -> int:
     except CollectiveError as e:  # each survivor says it: rank 0 may be the rank that died
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 4
+    except SaveError as e:  # every rank knows; one says it
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 5
 
 
 def say(line: str) -> None:
