@@ -375,3 +375,35 @@ def test_bad_input(hf_dirs, zoo_dirs, tmp_path, capsys):
     assert_error(capsys, r"tensor 2\.mlp\.fc2\.weight: checkpoint has shape \(64, 32\), its config implies \(64, 176\)",
                  "zoo-to-hf", "--src", tmp_path / "badzoo", "--out", out)
     assert not out.exists() and not list(tmp_path.glob(".*tmp"))  # nothing half-written
+
+
+class _RunsCode:
+    """Unpickling this would run code (here: create a file)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_pickle_that_runs_code_is_never_executed(hf_dirs, tmp_path, capsys):
+    """A pytorch_model.bin whose unpickling would run code: refused by convert and by train --init without the
+    flag; with --allow-pickle, torch.load(weights_only=True) refuses it without running it (one line)."""
+    import pickle
+
+    from zoo.training.train import main as train_main
+
+    src = tmp_path / "evil"
+    shutil.copytree(hf_dirs["llama-tied"], src)
+    (src / "model.safetensors").unlink()
+    marker = tmp_path / "code-ran"
+    with open(src / "pytorch_model.bin", "wb") as f:
+        pickle.dump({"model.embed_tokens.weight": _RunsCode(marker)}, f)
+    assert_error(capsys, r"pickle checkpoint .*--allow-pickle", "hf-to-zoo", "--src", src, "--out", tmp_path / "z")
+    assert_error(capsys, r"could not be read with torch.load\(weights_only=True\)", "hf-to-zoo", "--src", src,
+                 "--out", tmp_path / "z", "--allow-pickle")
+    assert train_main(["--init", str(src), "--steps", "1", "--out", str(tmp_path / "run"), "--set",
+                       "training.seq_length=32", "data.source=synthetic"]) == 2
+    assert "--init reads safetensors only: convert it once with launch/convert.py hf-to-zoo" in capsys.readouterr().err
+    assert not marker.exists() and not (tmp_path / "z").exists() and not (tmp_path / "run").exists()

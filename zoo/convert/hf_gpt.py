@@ -459,6 +459,16 @@ def resolve_hf_folder(src: str | os.PathLike, *, allow_pickle: bool = False, cac
 read_safetensors = io.read_tensors
 
 
+def refuse_pickle_only(folder: Path) -> None:
+    """``--init`` reads safetensors only (it has no --allow-pickle): a folder with nothing but a pickle checkpoint is
+    refused in one line, naming the one-off conversion that can read it."""
+    safe = any((folder / name).is_file() for name in (SAFE_INDEX, SAFE_SINGLE))
+    if not safe and any((folder / name).is_file() for name in (PICKLE_INDEX, PICKLE_SINGLE)):
+        raise ConvertError(f"{folder} holds only a pickle checkpoint ({PICKLE_SINGLE}), which can run code when "
+                           f"loaded; --init reads safetensors only: convert it once with launch/convert.py hf-to-zoo "
+                           f"--src {folder} --out DIR --allow-pickle (if you trust it) and pass --init DIR")
+
+
 class HFCheckpoint:
     """The weights of a HF folder: names and shapes from the file headers, values read on demand.
 

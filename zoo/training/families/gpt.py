@@ -24,9 +24,10 @@ class GPTFamily(Family):
 
     def config_from_init(self, src, overrides):
         from zoo.convert import io
-        from zoo.convert.hf_gpt import gpt_config_from_hf, read_hf_config, resolve_hf_folder
+        from zoo.convert.hf_gpt import gpt_config_from_hf, read_hf_config, refuse_pickle_only, resolve_hf_folder
 
         folder = resolve_hf_folder(src)
+        refuse_pickle_only(folder)
         arch, hf_config = read_hf_config(folder)
         config = self.config_class.from_dict({**gpt_config_from_hf(arch, hf_config).to_dict(), **overrides})
         has_tokenizer = any((folder / name).is_file() for name in io.TOKENIZER_FILES[:2])
