@@ -164,6 +164,19 @@ def init_distributed(timeout_minutes: float | None = None) -> None:
         # processes on the machine). DeepSpeed then wraps the existing group.
         dist.init_process_group(get_accelerator().communication_backend_name(), store=dist.HashStore(), rank=0,
                                 world_size=1, **kwargs)
+    elif int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and \
+            os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # A group torchrun restarted (--max-restarts): its agent keeps one store for every attempt, and env://
+        # adds no prefix, so the new ranks would read the dead attempt's addresses (gloo: "connection refused")
+        # whenever they look before their peers have written theirs. Each attempt gets keys of its own.
+        from datetime import timedelta
+
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              int(os.environ["WORLD_SIZE"]), is_master=False,
+                              timeout=kwargs.get("timeout", timedelta(minutes=10)))
+        store = dist.PrefixStore(f"zoo/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+        dist.init_process_group(get_accelerator().communication_backend_name(), store=store,
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), **kwargs)
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False, **kwargs)
     accel = get_accelerator()
     if accel.device_name() != "cpu":

@@ -20,8 +20,10 @@ For GPT-2 shapes (nq = nkv, nq d = h, f = 4h, GELU) with recomputation this is e
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
+from pathlib import Path
 
 # Dense bf16/fp16 tensor-core peaks in TFLOP/s, by a substring of the device name (vendor data sheets).
 PEAK_TFLOPS_16BIT = {"H200": 989.5, "H100": 989.5, "H800": 989.5, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
@@ -85,3 +87,12 @@ def peak_memory_gb() -> float:
         return accel.max_memory_allocated() / 2**30
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def resident_memory_gb() -> float | None:
+    """This process's resident memory now (Linux: /proc/self/statm), for watching a long run stay flat."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**30

@@ -119,6 +119,7 @@ def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False, init_
         moe.mark_expert_params(module, grid.expert_group_name)
     if getattr(model_cfg, "num_experts", 0):
         groups = moe.split_expert_param_groups(groups, expert_parallel)
+    import_muon_with_deferred_compile()
     with moe.deepspeed_sees_moe() if expert_parallel else contextlib.nullcontext():
         engine, *_ = deepspeed.initialize(model=module, model_parameters=groups, config=ds_config, mpu=mpu,
                                           lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
@@ -131,6 +132,47 @@ def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False, init_
 
         engine.clip_fp32_gradients = clip_fp32_gradients
     return engine, loss_fn
+
+
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def import_muon_with_deferred_compile() -> None:
+    """Import DeepSpeed's Muon module with its ``torch.compile`` calls deferred to the first call of each function.
+
+    DeepSpeed's ZeRO code imports it on every run (its support check, and ZeRO-1/2's gradient copy, whatever the
+    optimizer), and at import its two Newton-Schulz kernels are wrapped by ``torch.compile``, which imports all of
+    TorchInductor: about 2 s of every process's start (a one-step ``launch/train.py`` here: median of 4 runs 9.6 s
+    -> 8.0 s, machine otherwise idle). zoo trains with AdamW and never calls them; if anything ever does, they are compiled then, exactly
+    as before. (Blocking the import instead breaks ZeRO-2, which imports the module unguarded.)"""
+    if MUON_MODULE in sys.modules:
+        return
+    import functools
+    import importlib
+
+    compile_now = torch.compile
+
+    def compile_later(model=None, **kwargs):
+        if model is None:  # @torch.compile(mode=...)
+            return lambda fn: compile_later(fn, **kwargs)
+        compiled = None
+
+        @functools.wraps(model)
+        def first_call_compiles(*args, **kw):
+            nonlocal compiled
+            if compiled is None:
+                compiled = compile_now(model, **kwargs)
+            return compiled(*args, **kw)
+
+        return first_call_compiles
+
+    torch.compile = compile_later
+    try:
+        importlib.import_module(MUON_MODULE)
+    except ImportError:
+        pass
+    finally:
+        torch.compile = compile_now
 
 
 def destroy_engine(engine) -> None:
@@ -169,7 +211,10 @@ class MetricsWriter:
     """One JSON object per line in ``out/metrics.jsonl`` (and TensorBoard scalars in ``out/tb``), global rank 0 only.
 
     Resuming at step N keeps the records up to N and appends after them, so the file always tells one history.
+    In memory it keeps only what the loss plot needs (step, loss, val_loss), so a long run does not grow.
     """
+
+    PLOTTED = ("step", "loss", "val_loss")
 
     def __init__(self, out: Path, enabled: bool, resume_step: int | None = None, tensorboard: bool = True):
         self.enabled, self.path, self.tb = enabled, out / "metrics.jsonl", None
@@ -177,6 +222,7 @@ class MetricsWriter:
         if not enabled:
             return
         out.mkdir(parents=True, exist_ok=True)
+        kept = []
         if resume_step is not None and self.path.is_file():
             for line in self.path.read_text().splitlines():
                 try:
@@ -184,10 +230,11 @@ class MetricsWriter:
                 except ValueError:
                     continue  # a line cut by a kill
                 if record.get("step", 0) <= resume_step:
-                    self.records.append(record)
+                    kept.append(record)
         tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         os.replace(tmp, self.path)
+        self.records = [self._plotted(r) for r in kept]
         self.f = open(self.path, "a")
         if tensorboard:
             try:
@@ -200,13 +247,17 @@ class MetricsWriter:
     def write(self, record: dict, prefix: str = "train") -> None:
         if not self.enabled:
             return
-        self.records.append(record)
+        self.records.append(self._plotted(record))
         self.f.write(json.dumps(record) + "\n")
         self.f.flush()
         if self.tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and value is not None:
                     self.tb.add_scalar(f"{prefix}/{key}", value, record["step"])
+
+    @classmethod
+    def _plotted(cls, record: dict) -> dict:
+        return {key: record[key] for key in cls.PLOTTED if key in record}
 
     def close(self):
         if self.enabled:
@@ -313,7 +364,7 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
     from deepspeed.accelerator import get_accelerator
 
     from zoo.training import checkpoint as ckpt
-    from zoo.training.metrics import device_name, peak_memory_gb, peak_tflops
+    from zoo.training.metrics import device_name, peak_memory_gb, peak_tflops, resident_memory_gb
     from zoo.training.moe import MoETraining
     from zoo.training.nonfinite import NonFiniteSteps
     from zoo.training.signals import ExitRequest, collectives_guarded
@@ -419,7 +470,8 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
                       "grad_norm": None if grad_norm is None else float(grad_norm),
                       f"{family.unit}_per_s": rate, "tflops_per_device": tflops,
                       "mfu": None if peak is None or tflops is None else tflops / peak,
-                      "peak_memory_gb": peak_memory_gb(), "step_time_s": dt, **reduced_stats(loss_fn, family),
+                      "peak_memory_gb": peak_memory_gb(), "rss_gb": resident_memory_gb(), "step_time_s": dt,
+                      **reduced_stats(loss_fn, family),
                       **(moe.after_step() if moe is not None else {}),
                       **nonfinite.after_step(step + 1, loss, out / ckpt.CHECKPOINTS)}
             metrics.write(record)
