@@ -143,21 +143,32 @@ def test_bad_inputs_one_line_and_nothing_written(task, tmp_path, capsys):
         assert not out.exists()
 
 
-def test_train_from_hf_folder_at_tp2(task, tmp_path):
-    """launch/train.py --init <HF folder> --tp 2: step 1's loss is the HF model's loss on that batch."""
+def init_from_hf_case(hf, out):
+    """train() at tp=2 from the HF folder ``hf`` (converted on the fly by rank 0 into out/init-model)."""
+    import torch.distributed as dist
+
+    from zoo.parallel.topology import initialize_model_parallel
+    from zoo.training.config import load, validate
+    from zoo.training.train import train
+
+    cfg = load(ROOT / "configs/gpt/tiny.yaml", [
+        f"training.init_from={hf}", "parallel.tp=2", "training.steps=3", f"out={out}", "data.source=synthetic",
+        "training.seq_length=32", "training.micro_batch_size=4", "training.global_batch_size=8",
+        "training.eval_interval=0", "training.save=false"])
+    model_cfg = validate(cfg, dist.get_world_size())
+    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp)
+    return train(cfg, model_cfg, grid, log=lambda s: None)
+
+
+def test_train_from_hf_folder_at_tp2(task, tmp_path, dist_run):
+    """training.init_from <HF folder> at tp=2 (launch/train.py --init; its command line is the fine-tuning test's):
+    step 1's loss is the HF model's loss on that batch."""
     from transformers import AutoModelForCausalLM
 
     from zoo.data.synthetic import SyntheticTokens
 
     hf, _, _ = task
-    out = tmp_path / "run"
-    proc = torchrun(2, "launch/train.py", [
-        "--init", hf, "--tp", "2", "--steps", "3", "--out", out, "--config", ROOT / "configs/gpt/tiny.yaml", "--set",
-        "data.source=synthetic", "training.seq_length=32", "training.micro_batch_size=4",
-        "training.global_batch_size=8", "training.eval_interval=0", "training.save=false"])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "tp=2 pp=1 dp=1" in proc.stdout
-    losses = [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    losses = dist_run(2, init_from_hf_case, str(hf), str(tmp_path / "run"))[0]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
 
     model = AutoModelForCausalLM.from_pretrained(hf).eval()

@@ -63,21 +63,51 @@ class CollectiveError(RuntimeError):
     """A collective of a training step failed on this rank; the message is one line."""
 
 
-def collective_failure(error: BaseException, rank: int, step: int, timeout_minutes: float) -> CollectiveError:
+ROLL_CALL_SECONDS = 5.0  # how long a survivor waits for the other survivors to answer
+
+
+def unanswered_ranks(world_size: int, rank: int, wait_s: float = ROLL_CALL_SECONDS) -> list[int] | None:
+    """After a failed collective: a roll call through the job's key-value store (the rendezvous store, which
+    outlives the collective). Every surviving rank fails too and answers; the ranks that have not answered within
+    ``wait_s`` are the dead or hung ones. None when the store itself is gone (its host was the rank that died)."""
+    import time
+
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        store = _get_default_store()
+        store.set(f"zoo/alive/{rank}", "1")
+        deadline = time.monotonic() + wait_s
+        while True:
+            missing = [r for r in range(world_size) if not store.check([f"zoo/alive/{r}"])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.2)
+    except Exception:  # noqa: BLE001 - any failure of the store: no names, the message says so
+        return None
+
+
+def collective_failure(error: BaseException, rank: int, step: int, timeout_minutes: float,
+                       missing: list[int] | None = None) -> CollectiveError:
     """The one-line account of a failed collective (``torch.distributed.DistBackendError``): a peer process died
-    (gloo: the connection closed; NCCL: a remote error) or stopped answering for ``timeout_minutes``."""
+    (gloo: the connection closed; NCCL: a remote error) or stopped answering for ``timeout_minutes``; ``missing``:
+    the ranks that did not answer the roll call (:func:`unanswered_ranks`)."""
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     first = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0]  # gloo: "[<source file>:<line>] Read error ..."
-    return CollectiveError(f"rank {rank}: a collective of step {step} failed ({first[:200]}); another rank died or "
-                           f"stopped answering (training.collective_timeout_minutes {timeout_minutes:g}): its own "
-                           f"log or the launcher's says which and why; the same command resumes from the newest "
-                           f"intact checkpoint")
+    if missing:
+        who = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not answer within "
+               f"{ROLL_CALL_SECONDS:g} s: dead or hung (its own log or the launcher's says why)")
+    else:
+        who = "another rank died or stopped answering (its own log or the launcher's says which and why)"
+    return CollectiveError(f"rank {rank}: a collective of step {step} failed ({first[:200]}); {who}; "
+                           f"training.collective_timeout_minutes {timeout_minutes:g} bounds the wait; the same "
+                           f"command resumes from the newest intact checkpoint")
 
 
 @contextlib.contextmanager
 def collectives_guarded(grid, step, timeout_minutes: float):
     """Inside: a failed collective (``torch.distributed.DistBackendError``, or gloo's RuntimeError) becomes a
-    CollectiveError naming this rank and the step (``step()``: the step being run)."""
+    CollectiveError naming this rank, the step (``step()``: the step being run) and the ranks that did not answer."""
     try:
         yield
     except RuntimeError as e:
@@ -85,4 +115,5 @@ def collectives_guarded(grid, step, timeout_minutes: float):
         # NCCL's failures are DistBackendError; gloo's are plain RuntimeErrors from its transport.
         if not (isinstance(e, dist.DistBackendError) or "gloo" in text or "nccl" in text):
             raise
-        raise collective_failure(e, grid.rank, step(), timeout_minutes) from None
+        missing = unanswered_ranks(grid.world_size, grid.rank)
+        raise collective_failure(e, grid.rank, step(), timeout_minutes, missing) from None
