@@ -218,6 +218,29 @@ def test_damaged_checkpoints_are_refused_and_auto_resume_takes_the_newest_intact
     assert ckpt.find_checkpoint(out, 2, allow_no_manifest=True).step == 2
 
 
+def test_keep_last_prunes_behind_a_checked_newer_checkpoint(dist_run, tmp_path):
+    """training.keep_last 2: after steps 2, 4, 6 the newest two remain; a save whose files do not match its
+    manifest (here: the manifest check made to fail) prunes nothing."""
+    out = tmp_path / "run"
+    dist_run(1, run_case, ["training.steps=6", "training.save_interval=2", "training.keep_last=2"], str(out))
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_00000004", "step_00000006"]
+    dist_run(1, keep_last_case_damaged, str(out))
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == \
+        ["step_00000004", "step_00000006", "step_00000008"]
+
+
+def keep_last_case_damaged(out):
+    """Resume to step 8 with the manifest check failing in this worker: the step-8 save must not prune."""
+    from zoo.training import checkpoint as ckpt
+
+    real = ckpt.damage
+    ckpt.damage = lambda folder, hashes=True: "file x is missing" if not hashes else real(folder, hashes)
+    try:
+        return run_case(["training.steps=8", "training.save_interval=2", "training.keep_last=2"], out, 6)
+    finally:
+        ckpt.damage = real
+
+
 KILL_DURING_SAVE = textwrap.dedent("""
     import os, signal, sys
     import zoo.training.checkpoint as ckpt

@@ -126,8 +126,9 @@ def write_manifest(folder: Path) -> None:
                                                      indent=1))
 
 
-def damage(folder: Path) -> str | None:
-    """What is wrong with the checkpoint ``folder`` against its manifest (None: intact, or no manifest)."""
+def damage(folder: Path, hashes: bool = True) -> str | None:
+    """What is wrong with the checkpoint ``folder`` against its manifest (None: intact, or no manifest); with
+    ``hashes`` false, only the files' presence and sizes are checked."""
     manifest = folder / MANIFEST
     if not manifest.is_file():
         return None
@@ -141,7 +142,7 @@ def damage(folder: Path) -> str | None:
             return f"file {name} is missing"
         if path.stat().st_size != want["bytes"]:
             return f"file {name} has {path.stat().st_size} bytes, the manifest says {want['bytes']} (truncated?)"
-    for name, want in files.items():
+    for name, want in files.items() if hashes else ():
         if file_digest(folder / name) != want["blake2b"]:
             return f"file {name} does not match its hash in {MANIFEST} (damaged)"
     return None
@@ -338,7 +339,7 @@ def save_checkpoint(engine, root: Path, step: int, meta: dict, client_state: dic
             os.replace(root / partial, final)
         shutil.rmtree(root / f"{tag}{UNIVERSAL_SUFFIX}", ignore_errors=True)  # stale if this step was re-saved
         _write_atomic(root / LATEST, tag)
-        if keep_last:
+        if keep_last and damage(final, hashes=False) is None:  # prune only behind a newer one that checks out
             steps = sorted(p for p in root.glob("step_????????") if (p / META).is_file())
             for old in steps[:-keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
