@@ -285,6 +285,22 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _stop_if_any_failed(failure: BaseException | None, root: Path, partial: str, step: int) -> None:
+    """Collective: if a write failed on any rank, every rank removes the partial folder (rank 0) and raises
+    SaveError; the previous checkpoints stay as they are."""
+    failures = [f for f in gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}") if f]
+    if not failures:
+        return
+    if global_rank() == 0:
+        shutil.rmtree(root / partial, ignore_errors=True)
+    barrier()
+    last = read_latest(root)
+    raise SaveError(f"the checkpoint of step {step} could not be written ({failures[0][:300]}): is the disk full, a "
+                    f"file size limit set, {root} not writable? Nothing of it is left; the previous checkpoints are "
+                    f"intact (newest: {root / last if last else 'none'}); fix that and the same command resumes"
+                    + (f" from {last}" if last else ""))
+
+
 def save_checkpoint(engine, root: Path, step: int, meta: dict, client_state: dict, keep_last: int | None = None,
                     cp_group=None, grid=None) -> Path:
     """Collective: every rank calls it. Returns the checkpoint folder. ``cp_group``: the grid's CP group (or None);
@@ -308,24 +324,16 @@ def save_checkpoint(engine, root: Path, step: int, meta: dict, client_state: dic
     except (OSError, RuntimeError) as e:  # disk full, a size limit, permissions (torch.save's writer raises
         failure = e  # RuntimeError); the ranks that wrote are in DeepSpeed's closing barrier
         barrier()
-    if expert_parallel and failure is None:
+    _stop_if_any_failed(failure, root, partial, step)  # before the expert save's collectives: all ranks or none
+    if expert_parallel:
         moe.save_expert_states(engine, grid, root / partial)
     barrier()
-    if global_rank() == 0 and failure is None:
+    if global_rank() == 0:
         try:
             _write_atomic(root / partial / META, json.dumps({**meta, "step": step}, indent=2))
         except OSError as e:
             failure = e
-    failures = [f for f in gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}") if f]
-    if failures:  # every rank: the partial folder goes, the previous checkpoints stay as they are
-        if global_rank() == 0:
-            shutil.rmtree(root / partial, ignore_errors=True)
-        barrier()
-        last = read_latest(root)
-        raise SaveError(f"the checkpoint of step {step} could not be written ({failures[0][:300]}): is the disk "
-                        f"full, a file size limit set, {root} not writable? Nothing of it is left; the previous "
-                        f"checkpoints are intact (newest: {root / last if last else 'none'}); fix that and the same "
-                        f"command resumes" + (f" from {last}" if last else ""))
+    _stop_if_any_failed(failure, root, partial, step)
     write_manifest(root / partial)
     if global_rank() == 0:
         final = root / tag
