@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from zoo.models.gpt import GPTBlock
 from zoo.models.moe import GPTMoE
+from zoo.parallel.shards import full_tensor
 
 
 def moe_blocks(module: torch.nn.Module) -> list[tuple[int, GPTMoE]]:
@@ -251,15 +252,6 @@ def _set_optimizer_state(engine, param, key: str | None, value: torch.Tensor) ->
         engine.optimizer.state[param][key].copy_(value)
 
 
-def _gather_experts(tensor: torch.Tensor, grid) -> torch.Tensor:
-    """[E/ep, ...] on each EP rank -> [E, ...] (experts in EP rank order)."""
-    if grid.ep == 1:
-        return tensor
-    parts = [torch.empty_like(tensor) for _ in range(grid.ep)]
-    dist.all_gather(parts, tensor.contiguous(), group=grid.ep_group)
-    return torch.cat(parts, dim=0)
-
-
 def save_expert_states(engine, grid, folder) -> None:
     """Collective: write this stage's expert weights and Adam states, whole, into ``folder`` (see above)."""
     from pathlib import Path
@@ -270,7 +262,7 @@ def save_expert_states(engine, grid, folder) -> None:
     tensors = {}
     for name, param in expert_parameters(engine.module):
         for key in (None, *ADAM_STATES):
-            whole = _gather_experts(_optimizer_state(engine, param, key), grid)
+            whole = full_tensor(_optimizer_state(engine, param, key), 0, 1, grid.ep_group)  # [E/ep] -> [E]
             tensors[name if key is None else f"{name}/{key}"] = whole.cpu().contiguous()
     if tensors and grid.ep_rank == 0 and grid.edp_rank == 0 and grid.tp_rank == 0 and grid.cp_rank == 0:
         save_file(tensors, str(Path(folder) / EXPERT_FILE.format(grid.pp_rank)))
