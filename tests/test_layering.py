@@ -8,9 +8,9 @@ import ast
 from pathlib import Path
 
 ZOO = Path(__file__).resolve().parents[1] / "zoo"
-ORDER = ["parallel", "models", "convert", "data", "generate", "training", "finetune", "bench", "dispatch"]
+ORDER = ["parallel", "models", "convert", "data", "generate", "training", "finetune", "bench", "plan", "dispatch"]
 LEVEL = {name: i for i, name in enumerate(ORDER)}
-LEVEL["bench"] = LEVEL["finetune"]  # siblings: neither imports the other
+LEVEL["bench"] = LEVEL["plan"] = LEVEL["finetune"]  # siblings: none imports another
 
 
 def imported_packages(path: Path) -> list[tuple[int, str]]:

@@ -281,6 +281,10 @@ PRESETS: dict[str, dict] = {
                      tie_word_embeddings=True, **_LLAMA),
     "llama-7b": dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                      intermediate_size=11008, max_position_embeddings=4096, tie_word_embeddings=False, **_LLAMA),
+    # Mistral-7B-v0.3 (grouped-query attention, no sliding window).
+    "mistral-7b": dict(vocab_size=32768, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, intermediate_size=14336, max_position_embeddings=32768,
+                       rope_theta=1e6, tie_word_embeddings=False, **_LLAMA),
     # Mixture-of-experts shapes of the released checkpoints (counts checked against transformers in tests/models).
     # The router loss coefficients are training settings, left at 0.
     "mixtral-8x7b": dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,

@@ -1,0 +1,192 @@
+"""launch/plan.py against published figures: Megatron's Table 1 (arXiv 2104.04473), released checkpoints'
+parameter counts, transformers' own models, DeepSpeed's stage partitioning, and the layouts Megatron chose."""
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from zoo.models.gpt import GPTConfig
+from zoo.plan import Job, Layout, PlanError, best, estimate, get_gpu, plan
+from zoo.plan.cli import main
+from zoo.plan.estimate import partition_balanced, spec_params, stages
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Table 1 of Narayanan et al. 2021: parameters (billions), heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s
+TABLE_1 = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+           (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+           (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+           (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+           (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]
+
+
+def megatron_gpt(heads, hidden, layers, **kw):
+    """The paper's models: GPT-2 blocks, V = 51200, s = 2048, dropout 0.1 (Megatron-LM's defaults then)."""
+    return GPTConfig(vocab_size=51200, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                     max_position_embeddings=2048, hidden_dropout=0.1, attention_dropout=0.1, **kw)
+
+
+@pytest.mark.parametrize("row", TABLE_1, ids=[f"{r[0]}B" for r in TABLE_1])
+def test_table_1_parameter_counts(row):
+    billions, heads, h, layers = row[:4]
+    assert round(megatron_gpt(heads, h, layers).num_parameters() / 1e9, 1) == billions
+
+
+# Released checkpoints (their model cards / config.json; GPT-2's tied head counted once).
+PUBLISHED = {"gpt2-124m": 124_439_808, "gpt2-355m": 354_823_168, "gpt2-774m": 774_030_080,
+             "gpt2-1.5b": 1_557_611_200, "llama-1b": 1_235_814_400, "llama-7b": 6_738_415_616,
+             "mistral-7b": 7_248_023_552}
+
+
+@pytest.mark.parametrize("preset", list(PUBLISHED))
+def test_preset_parameter_counts(preset):
+    """Equal to the published count and to transformers' own model of the same config (built on the meta
+    device, so no memory is spent); the per-rank counts of every (tp, pp) add up to it."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, \
+        MistralForCausalLM
+
+    c = GPTConfig.from_preset(preset)
+    assert c.num_parameters() == PUBLISHED[preset]
+    if preset.startswith("gpt2"):
+        hf = GPT2LMHeadModel, GPT2Config(n_embd=c.hidden_size, n_layer=c.num_hidden_layers, n_head=c.num_attention_heads)
+    else:
+        cls, cfg = (MistralForCausalLM, MistralConfig) if preset.startswith("mistral") else (LlamaForCausalLM,
+                                                                                             LlamaConfig)
+        hf = cls, cfg(vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
+                      num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                      intermediate_size=c.intermediate_size, tie_word_embeddings=c.tie_word_embeddings)
+    with torch.device("meta"):
+        model = hf[0](hf[1])
+    assert sum(p.numel() for p in model.parameters()) == PUBLISHED[preset]
+    # every rank's share adds up to it, plus what layouts store more than once: padded vocabulary rows, the
+    # last stage's copy of a tied embedding, and the tensors replicated over TP (norms, output biases, positions)
+    h, L = c.hidden_size, c.num_hidden_layers
+    norm = (2 if c.normalization == "layernorm" else 1) * h
+    positions = c.max_position_embeddings * h if c.position_embedding_type == "learned" else 0
+    for tp in (1, 2, 4):
+        for pp in (1, 4):
+            copies = 2 if pp > 1 and c.tie_word_embeddings else 1  # of the embedding module
+            vocab_rows = (c.padded_vocab_size(tp) - c.vocab_size) * h * (1 if c.tie_word_embeddings else 2)
+            extra = vocab_rows + (copies - 1) * c.padded_vocab_size(tp) * h
+            replicated = (2 * L + 1) * norm + 2 * L * c.add_bias * h
+            extra += (tp - 1) * replicated + (tp * copies - 1) * positions
+            assert sum(st.dense for st in stages(c, tp, pp)) * tp == c.num_parameters() + extra, (tp, pp)
+
+
+def test_partition_is_deepspeeds():
+    from deepspeed.runtime.utils import partition_balanced as deepspeed_partition
+
+    rng = random.Random(0)
+    for _ in range(40):
+        weights = [rng.choice([0, 1, 5, 100, 1000]) for _ in range(rng.randint(2, 30))]
+        parts = rng.randint(1, 8)
+        assert partition_balanced(weights, parts) == deepspeed_partition(weights, parts), (weights, parts)
+    c = GPTConfig.from_preset("tiny")
+    assert partition_balanced([d for d, _ in spec_params(c, 2)], 2) == \
+        deepspeed_partition([d for d, _ in spec_params(c, 2)], 2)
+
+
+@pytest.mark.parametrize("row", TABLE_1, ids=[f"{r[0]}B" for r in TABLE_1])
+def test_table_1_throughput_within_15_percent(row):
+    """Their layout (tp, pp, GPUs, batch, full recomputation, their attention kernel that stores the s x s
+    scores); micro batch and ZeRO take their best value; one set of A100 constants for all ten rows."""
+    billions, heads, h, layers, tp, pp, gpus, batch, published = row
+    job = Job(megatron_gpt(heads, h, layers), gpus, 2048, batch, attention="unfused")
+    winner = best(plan(job, get_gpu("a100-80g"), {"tp": tp, "pp": pp, "recompute": "full", "sp": False}),
+                  job, get_gpu("a100-80g"))
+    assert abs(winner.tflops_per_gpu / published - 1) < 0.15, (winner.tflops_per_gpu, published)
+    assert 0 < winner.mfu < winner.tflops_per_gpu / 312
+
+
+def test_gpt3_175b_on_1024_a100_is_megatrons_layout():
+    job = Job(megatron_gpt(96, 12288, 96), 1024, 2048, 1536)
+    winner = best(plan(job, get_gpu("a100-80g")), job, get_gpu("a100-80g"))
+    assert winner.layout.tp == 8 and winner.layout.pp >= 8, winner.layout
+
+
+def test_1b_on_8_gpus_needs_no_pipeline():
+    job = Job(GPTConfig.from_preset("llama-1b"), 8, 2048, 256)
+    assert best(plan(job, get_gpu("h100")), job, get_gpu("h100")).layout.pp == 1
+
+
+def test_memory_follows_the_zero_rules():
+    """16 bytes per parameter at ZeRO-0 bf16 Adam (+2 for DeepSpeed's fp32 gradient accumulator); each stage
+    divides what the rules say it divides."""
+    c = GPTConfig.from_preset("llama-7b")
+    job = Job(c, 8, 1024, 64)
+    gpu = get_gpu("h200")
+    n = stages(c, 1, 1)[0].dense
+    mem = {z: estimate(job, Layout(dp=8, zero=z, micro_batch=1), gpu).memory for z in range(4)}
+    assert mem[0]["params"] == 2 * n and mem[0]["grads"] == 4 * n and mem[0]["optimizer"] == 12 * n / 8
+    assert mem[1]["params"] == 2 * n and mem[1]["grads"] == 2 * n + 4 * n / 8
+    assert mem[2]["grads"] == (2 + 4) * n / 8 and mem[3]["params"] == 2 * n / 8
+    assert mem[3]["activations"] == mem[0]["activations"]
+
+
+def test_json_only_and_write_config(tmp_path, capsys):
+    """--only pins the named fields; --json rows hold the promised keys; --write-config is a run config that
+    zoo's own loader accepts for that many processes."""
+    out = tmp_path / "plan.yaml"
+    rc = main(["--model", "gpt2-355m", "--gpu", "a100-40g", "--gpus", "8", "--global-batch", "64",
+               "--seq-length", "1024", "--only", "tp=2,recompute=full", "--json", "--write-config", str(out)])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)
+    keys = {"tp", "pp", "dp", "zero", "micro_batch", "recompute", "sp", "params", "memory_per_gpu_gb", "fits",
+            "step_time_s", "tflops_per_gpu", "mfu"}
+    assert rows and all(keys <= set(r) and r["tp"] == 2 and r["recompute"] == "full" and r["fits"] for r in rows)
+    assert rows[0]["params"] == 354_823_168
+    assert [r["step_time_s"] for r in rows] == sorted(r["step_time_s"] for r in rows)
+
+    from zoo.training.config import load, validate
+
+    cfg = load(out)
+    validate(cfg, 8)
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.zero_stage) == (2, rows[0]["pp"], rows[0]["zero"])
+    assert cfg.training.micro_batch_size == rows[0]["micro_batch"] and cfg.global_batch_size == 64
+    assert cfg.parallel.activation_checkpointing and cfg.training.seq_length == 1024
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--gpu", "a100-81g", "--gpus", "8", "--global-batch", "8"], "unknown GPU 'a100-81g'"),
+    (["--model", "llama-7b", "--gpu", "a100-40g", "--gpus", "1", "--global-batch", "8"], "no layout of 1 x a100-40g"),
+    (["--model", "gpt2-124m", "--gpus", "8", "--global-batch", "12", "--only", "tp=1,pp=1"], "--only tp=1,pp=1"),
+    (["--model", "tiny", "--gpus", "64", "--global-batch", "6"], "global batch 6 is not divisible"),
+    (["--model", "nope", "--gpus", "8", "--global-batch", "8"], "neither a zoo GPT preset"),
+    (["--gpus", "8", "--global-batch", "8", "--only", "tp=two"], "tp must be an integer"),
+])
+def test_bad_input_is_one_line(capsys, args, message):
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_model_from_folders(tmp_path):
+    """A HF folder's config.json and a zoo folder give the same model as the preset."""
+    from transformers import LlamaConfig
+
+    from zoo.plan.cli import model_config
+
+    c = GPTConfig.from_preset("tiny-llama")
+    LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
+                num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                intermediate_size=c.intermediate_size, max_position_embeddings=c.max_position_embeddings,
+                rms_norm_eps=c.norm_eps, tie_word_embeddings=False).save_pretrained(tmp_path / "hf")
+    (tmp_path / "zoo").mkdir()
+    (tmp_path / "zoo/config.json").write_text(json.dumps({"zoo_format": 1, "family": "gpt", "config": c.to_dict()}))
+    for folder in ("hf", "zoo"):
+        got, _ = model_config(str(tmp_path / folder), [])
+        assert got.num_parameters() == c.num_parameters()
+    assert model_config("tiny-llama", ["num_hidden_layers=2"])[0].num_hidden_layers == 2
+
+
+def test_table_and_why_not(capsys):
+    assert main(["--model", "llama-7b", "--gpu", "a100-40g", "--gpus", "8", "--global-batch", "64", "--top", "3",
+                 "--why-not"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "layouts fit" in lines[0] and "tokens/s" in lines[1]
+    assert [line.split()[0] for line in lines[3:6]] == ["1", "2", "3"]
+    assert "layouts do not fit" in lines[7] and int(lines[7].split()[0]) > 0
+    assert len(lines) == 11 and all("needs" in line and "> 40.0 GiB" in line for line in lines[8:11])

@@ -1,0 +1,491 @@
+"""Memory and step time of one layout of one job (the formulas of ``zoo.plan``'s docstring, in code).
+
+Everything here is arithmetic on the model config: no torch tensors, no process group, so thousands of layouts
+are priced in a second.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from zoo.plan.hardware import GPU, GiB
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}  # fp32 moments per parameter (SGD: momentum)
+RECOMPUTE = ("none", "selective", "full")
+ATTENTION = ("flash", "unfused")
+DEEPSPEED_BUCKET = 500_000_000  # elements: DeepSpeed's reduce_bucket_size and allgather_bucket_size defaults
+
+
+@dataclass(frozen=True)
+class Job:
+    config: object  # GPTConfig
+    gpus: int
+    seq_length: int
+    global_batch: int
+    dtype: str = "bf16"
+    optimizer: str = "adamw"
+    attention: str = "flash"  # "flash": zoo's SDPA, no s x s matrix; "unfused": scores stored (Megatron 2021)
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    zero: int = 1
+    micro_batch: int = 1
+    sp: bool = False
+    recompute: str = "none"
+
+    def describe(self) -> str:
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp}{ep} zero={self.zero} micro_batch={self.micro_batch} "
+                f"sp={str(self.sp).lower()} recompute={self.recompute}")
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    params: int  # total parameters of the model (unpadded, as a HF checkpoint counts them)
+    memory: dict  # bytes per GPU of the fullest rank: params, grads, optimizer, activations, buffers, reserved
+    fits: bool
+    time: dict  # seconds per step: compute, communication (exposed), bubble
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+    mfu: float
+    why_not: str = ""
+    stage_memory: list = field(default_factory=list)  # bytes per stage (params + grads + optimizer + activations)
+
+    @property
+    def memory_per_gpu_gb(self) -> float:
+        return sum(self.memory.values()) / GiB
+
+    def row(self) -> dict:
+        lay = self.layout
+        return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "zero": lay.zero,
+                "micro_batch": lay.micro_batch, "recompute": lay.recompute, "sp": lay.sp, "params": self.params,
+                "memory_per_gpu_gb": round(self.memory_per_gpu_gb, 3),
+                "memory_gb": {k: round(v / GiB, 3) for k, v in self.memory.items()}, "fits": self.fits,
+                "step_time_s": self.step_time_s, "time_s": self.time, "tokens_per_s": self.tokens_per_s,
+                "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu, **({"why_not": self.why_not}
+                                                                            if self.why_not else {})}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parameters per rank, per layer spec (as DeepSpeed's PipelineModule counts them to balance the stages)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _norm(c) -> int:
+    return c.hidden_size * (2 if c.normalization == "layernorm" else 1)
+
+
+def block_params(c, i: int, tp: int, ep: int = 1) -> tuple[int, int]:
+    """``(dense, expert)`` parameters of block i on one rank: TP splits the QKV / MLP columns and the output
+    projections' rows; norms, output biases and the router are replicated; experts are whole, E/ep per rank."""
+    h, d, nq, nkv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    qkv = (nq + 2 * nkv) * d
+    attn = (qkv * h + c.use_qkv_bias * qkv + nq * d * h) // tp + c.add_bias * h
+    attn += {None: 0, "head": 2 * d, "full": (nq + nkv) * d // tp}[c.qk_norm]
+    per_h = 3 if c.activation == "swiglu" else 2
+    if c.is_moe_layer(i):
+        fe, fs = c.expert_intermediate_size, c.shared_intermediate_size
+        dense = c.num_experts * h + per_h * h * fs + c.shared_expert_gate * h
+        expert = c.num_experts // ep * per_h * h * fe
+    else:
+        f = c.intermediate_size
+        fc1_out = 2 * f if c.activation == "swiglu" else f
+        dense, expert = (per_h * h * f + c.add_bias * fc1_out) // tp + c.add_bias * h, 0
+    return attn + 2 * _norm(c) + dense, expert
+
+
+def embedding_params(c, tp: int) -> int:
+    learned = c.max_position_embeddings * c.hidden_size if c.position_embedding_type == "learned" else 0
+    return c.padded_vocab_size(tp) // tp * c.hidden_size + learned
+
+
+def spec_params(c, tp: int, ep: int = 1) -> list[tuple[int, int]]:
+    """``(dense, expert)`` per layer spec of ``zoo.models.gpt.layer_specs``: embedding, blocks, final norm, head.
+    A tied head is DeepSpeed's TiedLayerSpec: the last stage builds its own copy of the embedding module."""
+    head = embedding_params(c, tp) if c.tie_word_embeddings else c.padded_vocab_size(tp) // tp * c.hidden_size
+    return ([(embedding_params(c, tp), 0)] + [block_params(c, i, tp, ep) for i in range(c.num_hidden_layers)]
+            + [(_norm(c), 0), (head, 0)])
+
+
+def partition_balanced(weights: list[int], parts: int) -> list[int]:
+    """DeepSpeed's ``partition_balanced`` (deepspeed.runtime.utils: the linear-partition dynamic programme that
+    minimises max - min stage weight, later split points winning ties), vectorised over the split point so a
+    1000-GPU search stays fast. Returns the ``parts + 1`` boundaries. Equal to DeepSpeed's (tests/plan)."""
+    import numpy as np
+
+    n = len(weights)
+    if n <= parts:
+        return [min(p, n) for p in range(parts + 1)]
+    prefix = np.zeros(n + 1)
+    prefix[1:] = np.cumsum(weights)
+    dp_max = np.full((n + 1, parts + 1), np.inf)
+    dp_min = np.full((n + 1, parts + 1), np.inf)
+    position = np.zeros((n + 1, parts + 1), dtype=int)
+    dp_max[0, 0] = 0
+    for i in range(1, n + 1):
+        seg = prefix[i] - prefix[:i]  # weight of items k..i-1 for every split point k < i
+        for j in range(1, min(i, parts) + 1):
+            mx = np.maximum(dp_max[:i, j - 1], seg)
+            mn = np.minimum(dp_min[:i, j - 1], seg)
+            cost = mx - mn
+            k = i - 1 - int(np.argmin(cost[::-1]))  # the last k of minimal cost (DeepSpeed updates on >=)
+            dp_max[i, j], dp_min[i, j], position[i, j] = mx[k], mn[k], k
+    bounds = [n]
+    for j in range(parts, 0, -1):
+        bounds.append(int(position[bounds[-1], j]))
+    return bounds[::-1]
+
+
+@dataclass(frozen=True)
+class Stage:
+    index: int
+    first: bool
+    last: bool
+    blocks: tuple[int, ...]  # block indices on this stage
+    dense: int  # parameters on one rank of this stage
+    expert: int
+
+
+def stages(c, tp: int, pp: int, ep: int = 1, cache: dict | None = None) -> list[Stage]:
+    """What each pipeline stage holds: DeepSpeed's ``partition_method: parameters`` over the layer specs."""
+    key = (tp, pp, ep)
+    if cache is not None and key in cache:
+        return cache[key]
+    counts = spec_params(c, tp, ep)
+    bounds = partition_balanced([d + e for d, e in counts], pp) if pp > 1 else [0, len(counts)]
+    out = []
+    for s in range(pp):
+        lo, hi = bounds[s], bounds[s + 1]
+        blocks = tuple(i - 1 for i in range(lo, hi) if 1 <= i <= c.num_hidden_layers)
+        tied_twice = pp == 1 and c.tie_word_embeddings  # one module holds the shared weight once
+        idx = [i for i in range(lo, hi) if not (tied_twice and i == len(counts) - 1)]
+        out.append(Stage(index=s, first=lo == 0, last=hi == len(counts), blocks=blocks,
+                         dense=sum(counts[i][0] for i in idx), expert=sum(counts[i][1] for i in idx)))
+    if cache is not None:
+        cache[key] = out
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def state_bytes(n: int, parts: int, zero: int, dtype: str, optimizer: str) -> tuple[float, float, float]:
+    """``(params, grads, optimizer)`` bytes of n parameters on one rank, ZeRO partitioning over ``parts`` ranks.
+
+    fp32: parameters and gradients fp32; DeepSpeed's ZeRO-1/2/3 optimizers keep an fp32 master copy of the rank's
+    partition even then (4 bytes, counted as optimizer state) beside the moments. bf16/fp16: 2-byte parameters
+    and gradients, fp32 master + moments (12 bytes with Adam) partitioned from ZeRO-1 on, plus the fp32 copy of
+    the rank's gradient partition the optimizer steps on (DeepSpeed's ZeRO-1/2/3); at ZeRO-0 DeepSpeed's
+    BF16_Optimizer accumulates full fp32 gradients (4 bytes) and partitions master + moments over dp already.
+    """
+    p = DTYPE_BYTES[dtype]
+    moments = OPTIMIZER_STATE_BYTES[optimizer]
+    if dtype == "fp32":
+        if zero == 0:
+            return 4 * n, 4 * n, moments * n
+        params = 4 * n / parts if zero == 3 else 4 * n
+        grads = 4 * n / parts if zero >= 2 else 4 * n
+        return params, grads, (4 + moments) * n / parts
+    if zero == 0:
+        return p * n, 4 * n, (4 + moments) * n / parts
+    params = p * n / parts if zero == 3 else p * n
+    grads = (p * n / parts if zero >= 2 else p * n) + 4 * n / parts
+    return params, grads, (4 + moments) * n / parts
+
+
+def _dims(c, tp: int, sp: bool):
+    h, d = c.hidden_size, c.head_dim
+    nq, nkv = c.num_attention_heads // tp, c.num_key_value_heads // tp
+    g = 1 / tp if sp else 1.0  # share of the norm / residual region a rank holds (sequence parallelism)
+    return h, d, nq, nkv, g
+
+
+def block_activation_bytes(c, i: int, tp: int, sp: bool, dtype: str, tokens: int, seq: int = 0,
+                           unfused: bool = False, selective: bool = False) -> float:
+    """Bytes block i saves for backward for ``tokens`` = b x s tokens of one micro-batch (no recompute), derived
+    from zoo's blocks (zoo/models/gpt.py) in the style of Korthikanti et al. (arXiv 2205.05198, Sec. 4.1):
+
+      norms (x2)    LayerNorm: its input (a) + mean, rstd (fp32); RMSNorm (fp32 statistics, as HF): the fp32 input
+                    (4; the input itself in fp32 runs), the normalised fp32 -> input dtype (a) and the weighted
+                    output (a), + rstd; x g = 1/tp under sequence parallelism
+      QKV / fc1     their input (a, gathered over TP under SP: full s), + the QKV output (a (nq + 2 nkv) d / tp:
+                    q, k, v are views of it)
+      RoPE          the rotated q and k (a (nq + nkv) d / tp)
+      attention     SDPA's output (a nq d / tp; the output projection's input is a view) and logsumexp (fp32
+                    per head and token); no s x s matrix (flash / memory-efficient kernels). ``unfused``
+                    (attention as Megatron ran it in 2021, Korthikanti's 5 a s^2 b): per score the softmax output,
+                    the dropout mask and the dropped probabilities, (2a + 1) bytes, unless ``selective``
+                    recomputation drops them
+      dropout       a 1-byte mask per element after attention and after the MLP (hidden_dropout > 0)
+      MLP           GELU: its input and output (2 a f / tp); SwiGLU: the fused gate|up output, silu(gate) and
+                    the product (4 a f / tp); MoE: router logits/scores in fp32, the routed tokens' expert
+                    inputs and intermediates (k copies per token)
+    a = the activation dtype's bytes.
+    """
+    a = DTYPE_BYTES[dtype]
+    h, d, nq, nkv, g = _dims(c, tp, sp)
+    if c.normalization == "layernorm":
+        norm = (a * h + 2 * 4) * g
+    else:
+        norm = ((4 if a == 4 else 4 + a) * h + a * h + 4) * g
+    attn = a * h * (1 if sp else g)  # QKV input (gathered under SP)
+    attn += a * (nq + 2 * nkv) * d
+    if c.position_embedding_type == "rope":
+        attn += a * (nq + nkv) * d
+    if c.qk_norm is not None:
+        attn += (4 + 2 * a) * (nq + nkv) * d  # fp32 q/k + normalised + weighted, as the RMSNorm above
+    attn += a * nq * d + 4 * nq
+    if unfused and not selective:  # softmax output, dropout mask and dropped probabilities: (2a + 1) per score
+        attn += nq * seq * (2 * a + (1 if c.attention_dropout > 0 else 0))
+    if c.hidden_dropout > 0:  # the two dropout masks (1 byte per element)
+        attn += 2 * h * g
+    if c.is_moe_layer(i):  # tokens split over TP (by SP or by the layer itself): per token of the micro-batch / tp
+        k, fe, fs, E = c.num_experts_per_tok, c.expert_intermediate_size, c.shared_intermediate_size, c.num_experts
+        inner = 4 if c.activation == "swiglu" else 2
+        mlp = (4 * h + 3 * 4 * E + k * (a * h + inner * a * fe + 8) + (a * h + inner * a * fs if fs else 0)) / tp
+    else:
+        f = c.intermediate_size // tp
+        mlp = a * h * (1 if sp else g) + (4 if c.activation == "swiglu" else 2) * a * f
+    return tokens * (2 * norm + attn + mlp)
+
+
+def head_activation_bytes(c, tp: int, sp: bool, dtype: str, tokens: int) -> float:
+    """The last stage's final norm, LM-head input and the vocab-parallel cross entropy's fp32 softmax
+    (``zoo.parallel.cross_entropy`` saves it, [b, s, V/tp])."""
+    a = DTYPE_BYTES[dtype]
+    h, _, _, _, g = _dims(c, tp, sp)
+    if c.normalization == "layernorm":
+        norm = (a * h + 8) * g
+    else:
+        norm = ((4 if a == 4 else 4 + a) * h + a * h + 4) * g
+    return tokens * (norm + a * h + 4 * c.padded_vocab_size(tp) // tp + 24)
+
+
+def activation_bytes(c, stage: Stage, lay: Layout, dtype: str, seq: int, micro_batches: int,
+                     unfused: bool = False) -> float:
+    """Peak bytes saved for backward on one rank of a stage: 1F1B keeps min(p - k, m) micro-batches in flight on
+    stage k (the first stage the most); with full recomputation a block keeps only its input, and one block's
+    activations exist again while it is recomputed in backward."""
+    tokens = lay.micro_batch * seq
+    a = DTYPE_BYTES[dtype]
+    kinds = {}  # blocks differ only by dense / MoE
+    for i in stage.blocks:
+        if c.is_moe_layer(i) not in kinds:
+            kinds[c.is_moe_layer(i)] = block_activation_bytes(c, i, lay.tp, lay.sp, dtype, tokens, seq, unfused,
+                                                              lay.recompute == "selective")
+    per = [kinds[c.is_moe_layer(i)] for i in stage.blocks]
+    head = head_activation_bytes(c, lay.tp, lay.sp, dtype, tokens) if stage.last else 0.0
+    in_flight = min(lay.pp - stage.index, micro_batches)
+    if lay.recompute == "full":
+        kept = len(stage.blocks) * tokens * a * c.hidden_size / (lay.tp if lay.sp else 1)
+        return (kept + head) * in_flight + max(per, default=0.0)
+    return (sum(per) + head) * in_flight
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Time
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _collective_time(nbytes: float, ranks: int, kind: str, gpu: GPU, inter: bool) -> float:
+    """Ring algorithms: all-reduce moves 2 (n-1)/n of the buffer through each rank's link, all-gather and
+    reduce-scatter (n-1)/n, all-to-all (n-1)/n, point-to-point the buffer."""
+    if ranks <= 1 and kind != "p2p":
+        return 0.0
+    share = {"all_reduce": 2 * (ranks - 1) / ranks, "all_gather": (ranks - 1) / ranks,
+             "reduce_scatter": (ranks - 1) / ranks, "all_to_all": (ranks - 1) / ranks, "p2p": 1.0}[kind]
+    bw = (gpu.inter_node_gbps if inter else gpu.intra_node_gbps) * 1e9 * gpu.bandwidth_efficiency
+    latency = (gpu.inter_latency_us if inter else gpu.intra_latency_us) * 1e-6
+    return share * nbytes / bw + latency
+
+
+def block_flops(c, i: int, seq: int) -> tuple[float, float]:
+    """Forward ``(GEMM, attention core)`` FLOPs per token of block i, as ``zoo.training.metrics`` counts them
+    (causal attention counted in full); the attention kernel executes half of its count (causal)."""
+    h, d, nq, nkv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    k = 3 if c.activation == "swiglu" else 2
+    gemm = 2 * h * (nq + 2 * nkv) * d + 2 * nq * d * h
+    if c.is_moe_layer(i):
+        gemm += 2 * h * c.num_experts + 2 * h * k * (c.num_experts_per_tok * c.expert_intermediate_size
+                                                     + c.shared_intermediate_size) + 2 * h * c.shared_expert_gate
+    else:
+        gemm += 2 * h * c.intermediate_size * k
+    return gemm, 4 * seq * nq * d
+
+
+def score_traffic(a: int, dropout: bool) -> float:
+    """HBM bytes per attention score of one forward + backward when the s x s matrix is materialised: written by
+    QK^T, softmax read + write, dropout read + write + mask, read by PV; backward the mirror image plus the saved
+    softmax read. Spread over 3 passes (forward + backward) as the caller counts passes."""
+    forward = a + 2 * a + (2 * a + 1 if dropout else 0) + a
+    backward = a + (2 * a + 1 if dropout else 0) + 3 * a + a
+    return forward + backward
+
+
+def elementwise_bytes(c, i: int, tp: int, sp: bool, dtype: str) -> float:
+    """HBM traffic per token of block i's forward outside GEMMs and attention: the norms (read + write), the two
+    residual adds (2 reads + 1 write), the activation function, RoPE of q and k."""
+    a = DTYPE_BYTES[dtype]
+    h, d, nq, nkv, g = _dims(c, tp, sp)
+    f = (c.num_experts_per_tok * c.expert_intermediate_size + c.shared_intermediate_size) / tp \
+        if c.is_moe_layer(i) else c.intermediate_size / tp
+    act = 3 * f if c.activation == "swiglu" else 2 * f
+    rope = 2 * (nq + nkv) * d if c.position_embedding_type == "rope" else 0
+    return a * ((2 * 2 + 2 * 3) * h * g + act + rope)
+
+
+def _inter(group_span: int, gpu: GPU) -> bool:
+    """Whether a group whose ranks lie within ``group_span`` consecutive ranks crosses a node boundary."""
+    return group_span > gpu.gpus_per_node
+
+
+def _block_cost(c, i: int, lay: Layout, job: Job, gpu: GPU) -> tuple:
+    """One micro-batch's forward through block i on one rank: (GEMM FLOPs, attention FLOPs, attention FLOPs done
+    once more by selective recomputation, elementwise HBM bytes per pass, extra bytes of that recomputation,
+    TP communication seconds of all passes, EP communication seconds of all passes)."""
+    s, a, rc = job.seq_length, DTYPE_BYTES[job.dtype], 1 if lay.recompute == "full" else 0
+    tokens = lay.micro_batch * s
+    g, at = block_flops(c, i, s)
+    gemm, attn_extra, extra_bytes = g * tokens / lay.tp, 0.0, 0.0
+    elem = elementwise_bytes(c, i, lay.tp, lay.sp, job.dtype) * tokens
+    if job.attention == "unfused":  # the whole s x s square is computed and streamed through HBM
+        attn = at * tokens / lay.tp
+        scores = lay.micro_batch * c.num_attention_heads // lay.tp * s * s
+        elem += scores * score_traffic(a, c.attention_dropout > 0) / 3  # per pass, as elem counts
+        if lay.recompute == "selective":  # the attention core once more in backward
+            attn_extra = at * tokens / lay.tp
+            extra_bytes = scores * score_traffic(a, c.attention_dropout > 0) / 3
+    else:
+        attn = at * tokens / lay.tp / 2  # causal: the kernel skips the masked half
+    tp_inter = _inter(lay.tp, gpu)
+    tp_comm = 0.0
+    for kind in (("all_gather", "reduce_scatter") if lay.sp else ("all_reduce", "all_reduce")):
+        tp_comm += (2 + rc) * _collective_time(tokens * c.hidden_size * a, lay.tp, kind, gpu, tp_inter)
+    ep_comm = 0.0
+    if lay.ep > 1 and c.is_moe_layer(i):  # dispatch + combine all-to-alls
+        size = tokens / lay.tp * c.num_experts_per_tok * c.hidden_size * a
+        ep_comm = 2 * (2 + rc) * _collective_time(size, lay.ep, "all_to_all", gpu, _inter(lay.tp * lay.ep, gpu))
+    return gemm, attn, attn_extra, elem, extra_bytes, tp_comm, ep_comm
+
+
+def estimate(job: Job, lay: Layout, gpu: GPU, cache: dict | None = None) -> Estimate:
+    """Memory of the fullest rank and the step time of ``lay``; ``fits`` says whether it fits ``gpu``."""
+    from zoo.training.metrics import training_flops_per_token
+
+    c, s, a = job.config, job.seq_length, DTYPE_BYTES[job.dtype]
+    parts, expert_parts = lay.dp, max(1, lay.dp // lay.ep)
+    m = job.global_batch // (lay.micro_batch * lay.dp)
+    tokens = lay.micro_batch * s
+    st = stages(c, lay.tp, lay.pp, lay.ep, cache)
+    rc = 1 if lay.recompute == "full" else 0
+    peak = (gpu.peak_tflops if a == 2 else gpu.fp32_peak) * 1e12
+    hbm = gpu.hbm_gbps * 1e9 * gpu.bandwidth_efficiency
+    tp_inter = _inter(lay.tp, gpu)
+    unfused = job.attention == "unfused"
+
+    memory, stage_memory, stage_times, block_costs = None, [], [], {}
+    for stage in st:
+        dense = state_bytes(stage.dense, parts, lay.zero, job.dtype, job.optimizer)
+        expert = state_bytes(stage.expert, expert_parts, lay.zero, job.dtype, job.optimizer)
+        act = activation_bytes(c, stage, lay, job.dtype, s, m, unfused)
+        buffers = 0.0
+        if lay.zero in (1, 2):  # DeepSpeed's gradient bucket (contiguous_gradients), ZeRO-1 stages it in fp32
+            buffers += DEEPSPEED_BUCKET * (4 if lay.zero == 1 or a == 4 else a)
+        if lay.zero == 3:  # a gathered block and the prefetched next one
+            one_of_each = {c.is_moe_layer(i): i for i in stage.blocks}.values()
+            buffers += 2 * max((sum(block_params(c, i, lay.tp, lay.ep)) for i in one_of_each), default=0) * a
+        if lay.pp > 1:  # DeepSpeed's pipe buffers: a received input and a sent output per in-flight micro-batch
+            buffers += 2 * min(lay.pp - stage.index, m) * tokens * c.hidden_size * a / (lay.tp if lay.sp else 1)
+        if stage.last:  # logits and their fp32 gradient, alive around the loss
+            buffers += tokens * c.padded_vocab_size(lay.tp) // lay.tp * (a + 4)
+        mem = {"params": dense[0] + expert[0], "grads": dense[1] + expert[1], "optimizer": dense[2] + expert[2],
+               "activations": act, "buffers": buffers, "reserved": gpu.reserved_gb * GiB}
+        stage_memory.append(mem["params"] + mem["grads"] + mem["optimizer"] + act)
+        if memory is None or sum(mem.values()) > sum(memory.values()):
+            memory = mem
+
+        # one micro-batch through this stage: forward, backward (2x), recomputed forward
+        totals = [0.0] * 7  # gemm, attn, attn_extra, elem, extra_bytes, tp_comm, ep_comm
+        for i in stage.blocks:
+            kind = c.is_moe_layer(i)
+            if kind not in block_costs:
+                block_costs[kind] = _block_cost(c, i, lay, job, gpu)
+            totals = [t + x for t, x in zip(totals, block_costs[kind])]
+        gemm, attn, attn_extra, elem, extra_bytes, tp_comm, ep_comm = totals
+        passes = 3 + rc
+        if stage.last:
+            gemm_head = 2 * c.hidden_size * c.padded_vocab_size(lay.tp) / lay.tp * tokens
+            compute_head = 3 * gemm_head / (peak * gpu.matmul_efficiency) + \
+                4 * tokens * c.padded_vocab_size(lay.tp) / lay.tp * 4 / hbm
+            tp_comm += _collective_time(tokens * c.hidden_size * a, lay.tp, "all_reduce", gpu, tp_inter)
+        else:
+            compute_head = 0.0
+        if stage.first:  # vocab-parallel embedding: one all-reduce forward
+            tp_comm += _collective_time(tokens * c.hidden_size * a, lay.tp, "all_reduce", gpu, tp_inter)
+        compute = passes * (gemm / (peak * gpu.matmul_efficiency) + attn / (peak * gpu.attention_efficiency)) \
+            + attn_extra / (peak * gpu.attention_efficiency) + (passes * elem + extra_bytes) / hbm + compute_head
+        p2p = 0.0
+        if lay.pp > 1:  # activations forward, their gradients backward (partitioned over TP by DeepSpeed / SP)
+            p2p = 2 * _collective_time(tokens * c.hidden_size * a / lay.tp, 2, "p2p", gpu,
+                                       _inter(lay.tp * lay.dp * 2, gpu))
+        stage_times.append((compute, tp_comm + ep_comm + p2p))
+
+    slowest = max(stage_times, key=sum)
+    per_micro = sum(slowest)
+    pipeline = (m + lay.pp - 1) * per_micro
+    bubble = (lay.pp - 1) * per_micro
+
+    # data parallel, as DeepSpeed runs it: ZeRO-0/1 all-reduce (1: reduce-scatter + all-gather of the updated
+    # parameters, the same volume) the accumulated gradients once per step; ZeRO-2 reduce-scatters every
+    # micro-batch's gradients into the partitions and all-gathers parameters once; ZeRO-3 also all-gathers each
+    # block's parameters for every forward, backward and recomputed forward of every micro-batch.
+    fullest = max(st, key=lambda x: x.dense + x.expert)
+    gbytes = 4 if a == 4 else a
+    dp_inter = _inter(lay.tp * lay.dp, gpu)
+    dp_time = 0.0
+    for n, ranks in ((fullest.dense, parts), (fullest.expert, expert_parts)):
+        if ranks <= 1 or n == 0:
+            continue
+        if lay.zero <= 1:
+            dp_time += _collective_time(n * gbytes, ranks, "all_reduce", gpu, dp_inter)
+        else:
+            dp_time += m * _collective_time(n * gbytes, ranks, "reduce_scatter", gpu, dp_inter)
+            gathers = 1 if lay.zero == 2 else m * (2 + rc)
+            dp_time += gathers * _collective_time(n * a, ranks, "all_gather", gpu, dp_inter)
+    # ZeRO-3 prefetches parameters and reduces gradients while the step computes (DeepSpeed's overlap_comm); the
+    # other stages reduce outside the backward (zoo leaves overlap_comm off; the pipeline engine after its flush)
+    dp_exposed = max(0.0, dp_time - pipeline) if lay.zero == 3 else dp_time
+    # the optimizer step streams master weights, moments, gradients and parameters once (memory bound)
+    opt_bytes = memory["optimizer"] * 2 + memory["grads"] + memory["params"]
+    optimizer_time = opt_bytes / hbm
+
+    step = pipeline + dp_exposed + optimizer_time
+    flops_eq3 = job.global_batch * s * training_flops_per_token(c, s, recompute=lay.recompute == "full")
+    flops_model = job.global_batch * s * training_flops_per_token(c, s, recompute=False)
+    gpus = lay.tp * lay.pp * lay.dp
+    time = {"compute": m * slowest[0] + optimizer_time, "communication": m * slowest[1] + dp_exposed,
+            "bubble": bubble}
+    total = sum(memory.values())
+    capacity = gpu.memory_gb * GiB
+    return Estimate(layout=lay, params=c.num_parameters(), memory=memory, fits=total <= capacity, time=time,
+                    step_time_s=step, tokens_per_s=job.global_batch * s / step,
+                    tflops_per_gpu=flops_eq3 / gpus / step / 1e12,
+                    mfu=flops_model / gpus / step / (gpu.peak_tflops * 1e12),
+                    why_not="" if total <= capacity else _short(memory, capacity),
+                    stage_memory=stage_memory)
+
+
+def _short(memory: dict, capacity: float) -> str:
+    parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in memory.items())
+    return f"needs {sum(memory.values()) / GiB:.1f} GiB per GPU ({parts}) > {capacity / GiB:.1f} GiB"
