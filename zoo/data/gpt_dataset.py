@@ -261,10 +261,11 @@ def counts_before(weights: Sequence[float], p: int, lookback: int = 64) -> list[
 
     Coupling from the past: the state after ``q = p - lookback`` positions is one of ``_candidate_counts(q)``; the
     rule is deterministic, so if all candidates reach the same counts by ``p``, those are the true counts. They
-    meet within a few positions for weights of similar size, and within about ``1 / min(weight)`` positions in
-    general (a candidate that gave a small dataset one sample too many waits that long for its next turn). If they
-    have not met, the look-back grows fourfold; at ``q = 0`` there is one candidate (all zeros) and this is the
-    sequential rule itself, so the answer is always exact.
+    meet within a few positions for weights of similar size; a candidate that gave a small dataset one sample too
+    many may wait up to about ``1 / weight`` positions (measured: at most 152 with a 0.001 weight, 968 with 0.0002
+    among 10 datasets; milliseconds either way). If they have not met, the look-back grows fourfold; at ``q = 0``
+    there is one candidate (all zeros) and this is the sequential rule itself, so the answer is always exact, and at
+    worst as slow as walking there.
     """
     if p >= 2**53:
         raise IndexError(f"sample {p} is at or past 2**53, where positions are no longer exact float64 values")

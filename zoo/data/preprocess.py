@@ -1,6 +1,6 @@
 """Text -> Megatron indexed dataset (``OUT.bin``/``OUT.idx``), in the spirit of Megatron-LM's ``preprocess_data.py``.
 
-    python launch/preprocess.py --input docs.jsonl --output-prefix data/docs --tokenizer tok/
+    python launch/preprocess.py --input docs.jsonl --output-prefix data/docs --tokenizer tok/ [--workers 4]
     python launch/preprocess.py --input a.parquet --input b.txt --output-prefix data/ab \\
         --train-tokenizer --vocab-size 32000 --tokenizer-out tok/
     python launch/preprocess.py --input embedded --output-prefix data/pydoc --tokenizer tok/
