@@ -48,7 +48,7 @@ import torch
 from zoo.data.cache import cached_build
 from zoo.data.indexed import IndexedDataset, IndexedDatasetBuilder
 
-__all__ = ["PackedDataset", "BlendedDataset", "parse_blend", "build_gpt_datasets", "prepare_embedded_corpus",
+__all__ = ["PackedDataset", "BlendedDataset", "counts_before", "parse_blend", "build_gpt_datasets", "prepare_embedded_corpus",
            "split_document_ids"]
 
 
