@@ -48,8 +48,8 @@ import torch
 from zoo.data.cache import cached_build
 from zoo.data.indexed import IndexedDataset, IndexedDatasetBuilder
 
-__all__ = ["PackedDataset", "BlendedDataset", "counts_before", "parse_blend", "build_gpt_datasets", "prepare_embedded_corpus",
-           "split_document_ids"]
+__all__ = ["PackedDataset", "BlendedDataset", "counts_before", "parse_blend", "build_gpt_datasets",
+           "prepare_embedded_corpus", "split_document_ids"]
 
 
 def _rng(seed: int, epoch: int, stream: int) -> np.random.Generator:
