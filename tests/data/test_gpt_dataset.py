@@ -1,23 +1,27 @@
 """Tests for packing, blending, splitting and the embedded corpus (zoo/data/gpt_dataset.py).
 
 The references are built here directly from the Python token lists written to the files: the stream of an epoch is
-the documents concatenated in ``document_order(epoch)``, and the blend is the greedy rule run step by step.
+the documents concatenated in ``document_order(epoch)``, and the blend is the greedy rule run step by step. Far blend
+positions, which no step-by-step run reaches in a test, are checked by the math: closed forms for two datasets and
+for dyadic weights, and the rule itself over a window that starts from the counts found there.
 """
 
 import json
+import math
 import os
 import pickle
 import random
 import time
 from collections import Counter
+from fractions import Fraction
 
 import numpy as np
 import pytest
 import torch
 
 from zoo.data.corpus import embedded_documents, split_documents
-from zoo.data.gpt_dataset import (BlendedDataset, PackedDataset, _sequences_of, build_gpt_datasets, parse_blend,
-                                  prepare_embedded_corpus, split_document_ids)
+from zoo.data.gpt_dataset import (BlendedDataset, PackedDataset, _candidate_counts, _sequences_of, build_gpt_datasets,
+                                  counts_before, parse_blend, prepare_embedded_corpus, split_document_ids)
 from zoo.data.indexed import IndexedDataset, IndexedDatasetBuilder
 from zoo.data.batches import micro_batch
 
@@ -104,6 +108,15 @@ def test_pure_function_of_index_and_epochs_differ(tmp_path):
         a[-1]
 
 
+def test_sample_order_is_numpys_permutation(tmp_path):
+    """The order resumed runs depend on: window ``permutation(n)[i]`` of the (seed, epoch, 1) stream, as before."""
+    ds = PackedDataset(_write(tmp_path / "d", _unique_docs([40, 33, 7, 90])), 5, seed=11)
+    n = len(ds)
+    for epoch in (0, 3):
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([11, epoch, 1])))
+        assert [ds.sample_position(epoch * n + i)[1] for i in range(n)] == rng.permutation(n).tolist()
+
+
 def test_documents_subset_and_errors(tmp_path):
     docs = _unique_docs([10, 20, 30, 40])
     indexed = _write(tmp_path / "d", docs)
@@ -166,6 +179,81 @@ def test_blend_follows_greedy_rule_and_weights():
         own = [s for dd, s in seq if dd == d]
         assert own == list(range(len(own)))
         assert abs(len(own) - w * n) <= 2
+
+
+def _counts_by_reference(weights, n):
+    """Counts before each of the positions 0..n, by the greedy rule in plain Python (independent of the module)."""
+    w = [float(x) for x in np.asarray(weights, dtype=np.float64) / sum(weights)]
+    counts, out = [0] * len(w), []
+    for i in range(n + 1):
+        out.append(list(counts))
+        errs = [w[d] * (i + 1) - counts[d] for d in range(len(w))]
+        counts[errs.index(max(errs))] += 1
+    return out
+
+
+BLENDS = [[5, 3, 2], [1, 3], [1, 1, 1], [1, 1], [999, 1], [7, 2, 1, 0], [0, 1], [0.4, 0.05, 0.3, 0.25],
+          [0.003, 0.5, 0.497], [1, 1, 1, 1, 1, 1]]
+
+
+@pytest.mark.parametrize("weights", BLENDS, ids=str)
+def test_blend_jump_equals_the_sequential_rule(weights):
+    """Any position reached directly (fresh object, a look-back that often fails first) equals the step-by-step run,
+    and the true counts are always among the candidates the jump starts from."""
+    n = 4000
+    ref = _counts_by_reference(weights, n)
+    w = BlendedDataset([_Tagged(d) for d in range(len(weights))], weights).weights.tolist()
+    probes = list(range(0, 120)) + random.Random(len(weights)).sample(range(n), 80)
+    for p in probes:
+        assert counts_before(w, p, lookback=2) == ref[p], p
+        assert (_candidate_counts(w, p) == ref[p]).all(axis=1).any(), p
+    for block_size in (1, 64, 1000):
+        for i in random.Random(block_size).sample(range(n), 8):
+            blend = BlendedDataset([_Tagged(d) for d in range(len(weights))], weights, block_size=block_size)
+            d = int(np.argmax(np.subtract(ref[i + 1], ref[i])))
+            assert blend.locate(i) == (d, ref[i][d]), (block_size, i)
+
+
+def _window_by_rule(weights, first, counts, n):
+    """``(dataset, sample)`` of positions ``[first, first + n)`` by the rule, starting from ``counts``."""
+    w = np.asarray(weights, dtype=np.float64)
+    counts, out = np.array(counts, dtype=np.int64), []
+    for i in range(first, first + n):
+        d = int(np.argmax(w * (i + 1) - counts))
+        out.append((d, int(counts[d])))
+        counts[d] += 1
+    return out
+
+
+@pytest.mark.parametrize("weights", [[0.25, 0.75], [0.3, 0.7], [0.5, 0.375, 0.125], [5, 3, 2]], ids=str)
+def test_blend_resumes_at_sample_1e9_in_under_a_second(weights):
+    far = 10**9 + 12_347
+    t = time.perf_counter()
+    blend = BlendedDataset([_Tagged(d) for d in range(len(weights))], weights)
+    got = [blend.locate(far + j) for j in range(500)]
+    elapsed = time.perf_counter() - t
+    assert elapsed < 1.0, f"{elapsed:.3f} s"
+    w = blend.weights.tolist()
+    counts = counts_before(w, far)
+    assert sum(counts) == far and got == _window_by_rule(w, far, counts, 500)  # the rule holds from there on
+    # The lags stay above -(D-1)/D (the bound the jump relies on), hence below (D-1)^2/D.
+    lags = [Fraction(wd) * far - c for wd, c in zip(w, counts)]
+    assert all(-Fraction(len(w) - 1, len(w)) - Fraction(1, 10**6) < lag < 1 for lag in lags)
+    if len(w) == 2:
+        # Two datasets: dataset 0 is taken at position i iff c0 <= a(i + 1) - 1/2 with a = (1 + w0 - w1)/2, so
+        # after p positions c0 = floor(a p + 1/2) (induction); far from a tie the float rule agrees.
+        a = (1 + Fraction(w[0]) - Fraction(w[1])) / 2
+        frac = (a * far + Fraction(1, 2)) % 1
+        assert min(frac, 1 - frac) > Fraction(1, 10**6)
+        assert counts[0] == math.floor(a * far + Fraction(1, 2))
+    elif all(Fraction(wd).denominator == 8 for wd in w):
+        # Dyadic weights: the rule is exact in floats, and after a multiple of 8 positions the lags are integers
+        # above -1 summing to 0, so all 0: the counts are w * p and the pattern repeats with period 8.
+        period_start = far - far % 8
+        assert counts_before(w, period_start) == [int(Fraction(wd) * period_start) for wd in w]
+        base = _window_by_rule(w, 0, [0] * len(w), 500 + far % 8)[far % 8:]
+        assert [d for d, _ in got] == [d for d, _ in base]
+        assert [s for _, s in got] == [s + int(Fraction(w[d]) * period_start) for d, s in base]
 
 
 def test_blend_far_index_and_bad_weights():

@@ -42,6 +42,20 @@ def test_round_trip_random_documents(tmp_path):
     assert _leftovers(tmp_path) == ["d.bin", "d.idx"]
 
 
+def test_add_documents_writes_the_same_files_as_one_call_per_document(tmp_path):
+    rng = random.Random(1)
+    docs = [[rng.randrange(65536) for _ in range(rng.randrange(0, 50))] for _ in range(40)] + [[]]
+    _write(tmp_path / "one", docs)
+    with IndexedDatasetBuilder(tmp_path / "bulk", dtype=np.uint16) as b:
+        for part in (docs[:7], docs[7:8], [], docs[8:]):
+            b.add_documents(np.array([t for d in part for t in d], dtype=np.int64), [len(d) for d in part])
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"bulk{ext}").read_bytes() == (tmp_path / f"one{ext}").read_bytes()
+    with IndexedDatasetBuilder(tmp_path / "bad", dtype=np.uint16) as b:
+        with pytest.raises(ValueError, match="not split by sizes summing to 3"):
+            b.add_documents(np.arange(4), [1, 2])
+
+
 def test_getitem_is_a_view(tmp_path):
     ds = _write(tmp_path / "d", [[1, 2, 3], [4, 5]])
     assert not ds[1].flags.owndata and not ds[1].flags.writeable

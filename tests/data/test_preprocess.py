@@ -83,6 +83,30 @@ def test_jsonl_round_trip_and_summary(tmp_path, tok_dir, tok, capsys):
     assert sorted(os.listdir(tmp_path / "out")) == ["docs.bin", "docs.idx"]
 
 
+def test_two_workers_write_the_same_bytes_as_one(tmp_path, tok_dir, capsys, monkeypatch):
+    import zoo.data.preprocess as pp
+
+    monkeypatch.setattr(pp, "_BATCH_DOCS", 3)  # many small batches, so the workers' results interleave
+    src = _jsonl(tmp_path / "in.jsonl", DOCS * 4 + embedded_documents()[:20])
+    outputs = {}
+    for workers in (1, 2):
+        prefix = tmp_path / f"w{workers}"
+        rc, out, err = _run(capsys, "--input", src, "--output-prefix", prefix, "--tokenizer", tok_dir,
+                            "--workers", workers)
+        assert rc == 0, err
+        assert f"{workers} worker" in out
+        outputs[workers] = [(prefix.parent / (prefix.name + ext)).read_bytes() for ext in (".bin", ".idx")]
+    assert "2 workers" in err  # the progress line
+    assert outputs[2] == outputs[1]
+    # A bad record deep in the input stops the workers and leaves nothing behind, as with one worker.
+    bad = tmp_path / "late.jsonl"
+    bad.write_text(src.read_text(encoding="utf-8") + "{broken\n", encoding="utf-8")
+    rc, _, err = _run(capsys, "--input", bad, "--output-prefix", tmp_path / "deep" / "x", "--tokenizer", tok_dir,
+                      "--workers", 2, "--quiet")
+    assert rc == 2 and err.startswith("error: ") and "is not JSON" in err
+    assert not (tmp_path / "deep").exists()
+
+
 def test_json_array_text_parquet_gz_and_several_inputs(tmp_path, tok_dir, tok, capsys, monkeypatch):
     import zoo.data.preprocess as pp
 
@@ -168,6 +192,7 @@ def _error_cases(tmp_path, tok_dir):
         ([*out, *tk], "either --input PATH ... or --hf-dataset NAME"),
         (["--input", good, "--format", "xml", *out, *tk], "invalid choice: 'xml'"),
         (["--input", good, *tk], "required: --output-prefix"),
+        (["--input", good, *out, *tk, "--workers", 0], "--workers 0 must be >= 1"),
         (["--input", tmp_path / "body.jsonl", *out, "--train-tokenizer", "--vocab-size", 300, "--tokenizer-out",
           tmp_path / "t3"], "line 1 has no key 'text'"),
         (["--hf-dataset", "json", "--hf-data-files", tmp_path / "nope.jsonl", *out, *tk], "cannot load dataset 'json'"),

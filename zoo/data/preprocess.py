@@ -1,6 +1,6 @@
 """Text -> Megatron indexed dataset (``OUT.bin``/``OUT.idx``), in the spirit of Megatron-LM's ``preprocess_data.py``.
 
-    python launch/preprocess.py --input docs.jsonl --output-prefix data/docs --tokenizer tok/
+    python launch/preprocess.py --input docs.jsonl --output-prefix data/docs --tokenizer tok/ [--workers 4]
     python launch/preprocess.py --input a.parquet --input b.txt --output-prefix data/ab \\
         --train-tokenizer --vocab-size 32000 --tokenizer-out tok/
     python launch/preprocess.py --input embedded --output-prefix data/pydoc --tokenizer tok/
@@ -25,6 +25,10 @@ document. Each document is tokenized and, with ``--append-eod`` (the default her
 id, so packed samples see document boundaries. The dtype is ``best_dtype(len(tokenizer))`` (uint16 below 65500
 tokens). ``--train-tokenizer`` first trains a byte-level BPE on the same inputs (a separate streaming pass).
 
+``--workers N`` tokenizes in N processes: the main process reads the inputs and cuts them into batches (the same
+batches for any N), the workers encode them, and the main process writes the results in input order, with at most
+``2 N`` batches in flight, so the ``.bin``/``.idx`` are byte-identical to one worker's and memory stays bounded.
+
 Bad input is reported as one ``error: ...`` line on stderr with exit code 2, and the checks that can be made up
 front (inputs exist and hold a first document with the key, the tokenizer loads) run before any output is created.
 A failure later (a bad record deep in a file) removes the partial output: the ``.bin``/``.idx`` and the trained
@@ -34,9 +38,13 @@ tokenizer are written under temporary names and moved into place only at the end
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import gzip
 import io
+import itertools
 import json
+import multiprocessing
 import os
 import shutil
 import sys
@@ -302,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="train a byte-level BPE on the inputs first (needs --vocab-size and --tokenizer-out)")
     tok.add_argument("--vocab-size", type=int, metavar="N", help="vocabulary size of the trained tokenizer")
     tok.add_argument("--tokenizer-out", metavar="DIR", help="where the trained tokenizer is saved")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="tokenize in N processes (output in input order, the same bytes as one)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -324,6 +334,8 @@ def _validate(args: argparse.Namespace) -> None:
             raise InputError(f"--tokenizer-out {out} exists and is not an empty or tokenizer folder; pick another")
     elif args.vocab_size is not None or args.tokenizer_out:
         raise InputError("--vocab-size/--tokenizer-out only apply with --train-tokenizer")
+    if args.workers < 1:
+        raise InputError(f"--workers {args.workers} must be >= 1 (1 tokenizes in this process)")
     if os.path.isdir(args.output_prefix) or args.output_prefix.endswith(os.sep):
         raise InputError(f"--output-prefix {args.output_prefix} is a folder; give a file prefix such as "
                          f"{os.path.join(args.output_prefix, 'data')}")
@@ -344,6 +356,87 @@ def _encoder(tokenizer) -> Callable[[list[str]], list[list[int]]]:
     if backend is not None:  # fast tokenizers: batch-encode in Rust, no max-length warnings
         return lambda texts: [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
     return lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def _batches(texts: Iterator[str]) -> Iterator[list[str]]:
+    """Documents grouped for one tokenizer call: ``_BATCH_DOCS`` of them, or fewer once ``_BATCH_CHARS`` are reached."""
+    batch: list[str] = []
+    chars = 0
+    for text in texts:
+        batch.append(text)
+        chars += len(text)
+        if len(batch) >= _BATCH_DOCS or chars >= _BATCH_CHARS:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def _encode_batch(encode: Callable, texts: list[str], eod: int | None, dtype: str):
+    """``(tokens, sizes)``: the batch's token ids back to back (with ``eod`` after each document when given) in the
+    output dtype, and the tokens per document, ready for ``IndexedDatasetBuilder.add_documents``."""
+    import numpy as np
+
+    seqs = encode(texts)
+    tail = [] if eod is None else [eod]
+    sizes = np.fromiter((len(ids) + len(tail) for ids in seqs), dtype=np.int64, count=len(seqs))
+    flat = itertools.chain.from_iterable(itertools.chain(ids, tail) for ids in seqs)
+    tokens = np.fromiter(flat, dtype=np.int64, count=int(sizes.sum()))
+    info = np.iinfo(dtype)
+    if tokens.size and (tokens.min() < info.min or tokens.max() > info.max):  # the builder's check, before narrowing
+        raise InputError(f"token ids [{tokens.min()}, {tokens.max()}] do not fit {dtype}; the tokenizer's size "
+                         f"disagrees with its ids")
+    return tokens.astype(dtype), sizes
+
+
+_WORKER: dict = {}
+
+
+def _tokenizer_spec(tokenizer, folder: str) -> tuple[str, str]:
+    """What a worker process needs to rebuild the tokenizer: a fast tokenizer's own JSON (exactly its state, and
+    no transformers import in the worker), else the folder to load."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return ("json", backend.to_str()) if backend is not None else ("folder", folder)
+
+
+def _init_worker(spec: tuple[str, str], eod: int | None, dtype: str) -> None:
+    # The workers are the parallelism: one thread each, or N workers x all cores oversubscribe the machine.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    kind, payload = spec
+    if kind == "json":
+        from tokenizers import Tokenizer
+
+        backend = Tokenizer.from_str(payload)
+        encode = lambda texts: [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]  # noqa: E731
+    else:
+        from zoo.data.tokenizer import load_tokenizer
+
+        encode = _encoder(load_tokenizer(payload))
+    _WORKER.update(encode=encode, eod=eod, dtype=dtype)
+
+
+def _encode_in_worker(texts: list[str]):
+    return _encode_batch(_WORKER["encode"], texts, _WORKER["eod"], _WORKER["dtype"])
+
+
+def _encoded(batches: Iterator[list[str]], tokenizer, folder: str, eod: int | None, dtype: str, workers: int):
+    """``_encode_batch`` of each batch, in order: here, or in ``workers`` spawned processes with at most
+    ``2 * workers`` batches in flight (``Pool.imap`` would read the whole input ahead into its queue)."""
+    if workers == 1:
+        encode = _encoder(tokenizer)
+        for texts in batches:
+            yield _encode_batch(encode, texts, eod, dtype)
+        return
+    # spawn, not fork: the parent may already run tokenizer threads (BPE training), which a fork would not carry.
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(workers, _init_worker, (_tokenizer_spec(tokenizer, folder), eod, dtype)) as pool:
+        pending: collections.deque = collections.deque()
+        for texts in batches:
+            pending.append(pool.apply_async(_encode_in_worker, (texts,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
 
 
 def run(args: argparse.Namespace) -> str:
@@ -383,34 +476,20 @@ def run(args: argparse.Namespace) -> str:
         if args.append_eod and eod is None:
             raise InputError("the tokenizer has no EOS token to append; pass --no-append-eod or another tokenizer")
         dtype = np.dtype(best_dtype(len(tokenizer)))
-        encode = _encoder(tokenizer)
         n_docs = n_tokens = 0
-        bar = tqdm(unit=" docs", file=sys.stderr, disable=args.quiet, mininterval=0.5, dynamic_ncols=True)
+        bar = tqdm(unit=" docs", file=sys.stderr, disable=args.quiet, mininterval=0.5, dynamic_ncols=True,
+                   desc=f"{args.workers} workers" if args.workers > 1 else None)
         with bar, IndexedDatasetBuilder(args.output_prefix, dtype=dtype) as builder:
-            batch: list[str] = []
-            chars = 0
-
-            def flush() -> None:
-                nonlocal n_docs, n_tokens, chars
-                for ids in encode(batch):
-                    if args.append_eod:
-                        ids = list(ids) + [eod]
-                    builder.add_document(ids)
-                    n_tokens += len(ids)
-                n_docs += len(batch)
-                bar.update(len(batch))
-                bar.set_postfix_str(f"{n_tokens:,} tokens, {n_tokens / max(time.time() - start, 1e-9):,.0f} tok/s",
-                                    refresh=False)
-                batch.clear()
-                chars = 0
-
-            for text in _all_documents(sources):
-                batch.append(text)
-                chars += len(text)
-                if len(batch) >= _BATCH_DOCS or chars >= _BATCH_CHARS:
-                    flush()
-            if batch:
-                flush()
+            encoded = _encoded(_batches(_all_documents(sources)), tokenizer, args.tokenizer or tmp_tok,
+                               eod if args.append_eod else None, dtype.name, args.workers)
+            with contextlib.closing(encoded):  # a failure here stops the workers at once
+                for tokens, sizes in encoded:
+                    builder.add_documents(tokens, sizes)
+                    n_docs += sizes.size
+                    n_tokens += tokens.size
+                    bar.update(sizes.size)
+                    bar.set_postfix_str(f"{n_tokens:,} tokens, {n_tokens / max(time.time() - start, 1e-9):,.0f} "
+                                        f"tok/s", refresh=False)
         if args.train_tokenizer:
             out = args.tokenizer_out
             if os.path.isdir(out):  # checked in _validate: empty, or a tokenizer folder being rewritten
@@ -428,8 +507,10 @@ def run(args: argparse.Namespace) -> str:
         raise
     what = f"{len(sources)} input" + ("s" if len(sources) != 1 else "")
     tok_note = f"; tokenizer saved to {args.tokenizer_out}" if args.train_tokenizer else ""
+    elapsed = time.time() - start
     return (f"wrote {data_file(args.output_prefix)} and {index_file(args.output_prefix)}: {n_docs:,} documents, "
-            f"{n_tokens:,} tokens ({dtype.name}) from {what} in {time.time() - start:.1f}s{tok_note}")
+            f"{n_tokens:,} tokens ({dtype.name}) from {what} in {elapsed:.1f}s ({n_tokens / max(elapsed, 1e-9):,.0f} "
+            f"tokens/s, {args.workers} worker{'s' if args.workers > 1 else ''}){tok_note}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
