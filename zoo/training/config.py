@@ -5,7 +5,8 @@ A run config has four sections (see ``configs/gpt/tiny.yaml``)::
     model:     {family: gpt | bert | unet-segmentation | unet-diffusion, preset: tiny, <any field of the family's config>: value}
     parallel:  {tp, pp, ep, zero_stage, sequence_parallel, activation_checkpointing, partition_method, cp, cp_algorithm}
     training:  {seed, steps, micro_batch_size, global_batch_size, gradient_accumulation_steps, seq_length,
-                lr, min_lr, warmup_steps, weight_decay, adam_beta1, adam_beta2, adam_eps, grad_clip, precision}
+                lr, min_lr, warmup_steps, weight_decay, adam_beta1, adam_beta2, adam_eps, grad_clip, precision,
+                loggers: [tensorboard, wandb], wandb_project, wandb_name, wandb_tags}
     data:      {source: synthetic}
 
 Everything is checked by :func:`validate` before any process group exists; each problem is one line naming the
@@ -84,6 +85,10 @@ class TrainingSection:
     keep_last: int = 0  # keep only the newest N checkpoints; 0: keep all
     save: bool = True  # false: no checkpoints and no exported model (quick experiments, tests)
     init_from: str | None = None  # start from these weights: a zoo model folder, or a HuggingFace folder / Hub id
+    loggers: list = field(default_factory=lambda: ["tensorboard"])  # besides metrics.jsonl: tensorboard, wandb
+    wandb_project: str | None = None  # W&B project (default "zoo"); WANDB_ENTITY picks the team
+    wandb_name: str | None = None  # W&B run name (default: the name of the out folder)
+    wandb_tags: list | None = None  # W&B run tags
 
 
 @dataclass
@@ -326,6 +331,12 @@ def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = N
     for name in ("eval_interval", "save_interval", "keep_last"):
         if getattr(tr, name) < 0:
             raise ConfigError(f"training.{name} must be >= 0, got {getattr(tr, name)}")
+    from zoo.training.loggers import check_loggers
+
+    try:
+        check_loggers(tr)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     validate_data(cfg, model)
     return model
 

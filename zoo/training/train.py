@@ -208,7 +208,8 @@ def destroy_engine(engine) -> None:
 
 
 class MetricsWriter:
-    """One JSON object per line in ``out/metrics.jsonl`` (and TensorBoard scalars in ``out/tb``), global rank 0 only.
+    """One JSON object per line in ``out/metrics.jsonl`` and the same scalars to the loggers the run config names
+    (``training.loggers``: TensorBoard in ``out/tb``, Weights & Biases; zoo.training.loggers), global rank 0 only.
 
     Resuming at step N keeps the records up to N and appends after them, so the file always tells one history.
     In memory it keeps only what the loss plot needs (step, loss, val_loss), so a long run does not grow.
@@ -216,8 +217,8 @@ class MetricsWriter:
 
     PLOTTED = ("step", "loss", "val_loss")
 
-    def __init__(self, out: Path, enabled: bool, resume_step: int | None = None, tensorboard: bool = True):
-        self.enabled, self.path, self.tb = enabled, out / "metrics.jsonl", None
+    def __init__(self, out: Path, enabled: bool, resume_step: int | None = None, cfg: RunConfig | None = None):
+        self.enabled, self.path, self.loggers = enabled, out / "metrics.jsonl", []
         self.records: list[dict] = []
         if not enabled:
             return
@@ -236,13 +237,9 @@ class MetricsWriter:
         os.replace(tmp, self.path)
         self.records = [self._plotted(r) for r in kept]
         self.f = open(self.path, "a")
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # tensorboard not installed: metrics.jsonl still has everything
-                pass
-            else:
-                self.tb = SummaryWriter(str(out / "tb"), purge_step=None if resume_step is None else resume_step + 1)
+        from zoo.training.loggers import open_loggers
+
+        self.loggers = open_loggers(cfg or RunConfig(out=str(out)), out, resume_step)
 
     def write(self, record: dict, prefix: str = "train") -> None:
         if not self.enabled:
@@ -250,10 +247,14 @@ class MetricsWriter:
         self.records.append(self._plotted(record))
         self.f.write(json.dumps(record) + "\n")
         self.f.flush()
-        if self.tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and value is not None:
-                    self.tb.add_scalar(f"{prefix}/{key}", value, record["step"])
+        for logger in self.loggers:
+            logger.scalars(record, prefix)
+
+    def image(self, key: str, path: Path | None, step: int) -> None:
+        """A picture the run drew (a PNG file) at ``step``, for the loggers that show pictures."""
+        if self.enabled and path is not None:
+            for logger in self.loggers:
+                logger.image(key, path, step)
 
     @classmethod
     def _plotted(cls, record: dict) -> dict:
@@ -262,8 +263,8 @@ class MetricsWriter:
     def close(self):
         if self.enabled:
             self.f.close()
-            if self.tb is not None:
-                self.tb.close()
+            for logger in self.loggers:
+                logger.close()
 
 
 def plot_losses(records: list[dict], path: Path) -> Path | None:
@@ -393,7 +394,7 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
         for m in range(gas):
             yield local_micro_batch(data.train, step, m, cfg, grid, device)
 
-    metrics = MetricsWriter(out, grid.rank == 0, resume_step=start if resume is not None else None)
+    metrics = MetricsWriter(out, grid.rank == 0, resume_step=start if resume is not None else None, cfg=cfg)
     meta = {"layout": {"tp": grid.tp, "pp": grid.pp, "dp": grid.dp, "ep": grid.ep,
                        "zero_stage": cfg.parallel.zero_stage, "cp": grid.cp},
             "global_batch_size": cfg.global_batch_size, "seq_length": tr.seq_length,
@@ -418,7 +419,8 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
         record = {"step": step, "val_loss": val, **({"val_ppl": math.exp(min(val, 50.0))} if family.unit == "tokens"
                                                     else {}), **extra}
         metrics.write(record, prefix="val")
-        family.after_evaluation(engine, cfg, grid, data, step)  # collective: e.g. a U-Net's mask grid
+        picture = family.after_evaluation(engine, cfg, grid, data, step)  # collective: e.g. a U-Net's mask grid
+        metrics.image("val/predictions", picture, step)
         if grid.rank == 0:
             names = {"val_ppl": "perplexity"}
             shown = " | ".join(f"{names.get(k, k.removeprefix('val_'))} {v:.4g}" for k, v in record.items()
@@ -503,9 +505,9 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
                 break
     if bar is not None:
         bar.close()
-    metrics.close()
     if grid.rank == 0 and metrics.records:
-        plot_losses(metrics.records, out / "loss.png")
+        metrics.image("loss_curve", plot_losses(metrics.records, out / "loss.png"), metrics.records[-1]["step"])
+    metrics.close()
     if keep_engine:
         return RunResult(losses, val_losses, start, engine)
     destroy_engine(engine)  # frees DeepSpeed's hooks and buffers; tests train many engines in one process
