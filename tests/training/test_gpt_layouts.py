@@ -61,12 +61,23 @@ def reference(dist_run, model, precision="fp32", tmp="/tmp/zoo-ref"):
     return _reference_cache[key]
 
 
+_layout_cache = {}
+
+
+def layout_losses(dist_run, model, layout, tmp):
+    """Every rank's losses of ``layout`` (fp32), run once per session (tests/training/test_accelerate_loop.py holds
+    its loop against dp2-zero2)."""
+    if (model, layout) not in _layout_cache:
+        world, overrides = LAYOUTS[layout]
+        _layout_cache[model, layout] = runner(dist_run, layout)(world, train_case, model, overrides, str(tmp))
+    return _layout_cache[model, layout]
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
 def test_layout_matches_single_process(dist_run, tmp_path, model, layout):
     expected = reference(dist_run, model)
-    world, overrides = LAYOUTS[layout]
-    for rank_losses in runner(dist_run, layout)(world, train_case, model, overrides, str(tmp_path)):
+    for rank_losses in layout_losses(dist_run, model, layout, tmp_path):
         torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(expected), rtol=1e-5, atol=0)
     assert expected[-1] < expected[0], f"the reference run must learn: {expected}"
 

@@ -69,8 +69,13 @@ def command(args, plan, run, errors: tuple = ()) -> int:
     non-finite steps in a row (``zoo.training.nonfinite``) says so in one line too, exit status 3; a rank whose
     collective failed (another rank died or stopped answering), exit status 4; a checkpoint that could not be
     written (its partial folder removed, the older ones intact), exit status 5."""
+    if os.environ.get("RANK", "0") == "0" and accelerate_started_one_process(os.environ):
+        print(ACCELERATE_ONE_PROCESS, file=sys.stderr, flush=True)
     try:
         planned = plan(args, int(os.environ.get("WORLD_SIZE", "1")))
+        problem = accelerate_flags_problem(planned[0], os.environ)
+        if problem:
+            raise ConfigError(problem)
     except (ConfigError, ResumeError, *errors) as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr)
@@ -88,6 +93,38 @@ def command(args, plan, run, errors: tuple = ()) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 5
+
+
+ACCELERATE_ONE_PROCESS = ("warning: accelerate launch started one process: without several GPUs it starts "
+                          "--num_processes N only with --multi_gpu (accelerate launch --multi_gpu --num_processes N "
+                          "launch/train.py ...)")
+
+
+def accelerate_started_one_process(env) -> bool:
+    """Whether this is ``accelerate launch --num_processes N`` (N > 1) that started one plain process: its simple
+    launcher (no ``--multi_gpu`` on a machine without several GPUs) sets MASTER_ADDR for N > 1 but no WORLD_SIZE."""
+    return "ACCELERATE_DYNAMO_BACKEND" in env and "MASTER_ADDR" in env and "WORLD_SIZE" not in env
+
+
+def accelerate_flags_problem(cfg: RunConfig, env) -> str | None:
+    """One line when ``accelerate launch`` flags ask for what the run config does not do, else None.
+
+    accelerate's launcher passes its DeepSpeed and precision flags in the environment for an ``Accelerator`` to read;
+    zoo makes the DeepSpeed config from the run config (zoo.training.config.deepspeed_config) and reads none of
+    them, so a launch whose flags say otherwise is refused rather than run another way than asked."""
+    zero = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    if env.get("ACCELERATE_USE_DEEPSPEED") == "true" and zero is not None and zero != str(cfg.parallel.zero_stage):
+        return (f"accelerate launch --zero_stage {zero}, but the run config has parallel.zero_stage "
+                f"{cfg.parallel.zero_stage} and zoo makes the DeepSpeed config from the run config: pass --zero {zero}")
+    if env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"):
+        return (f"accelerate launch --deepspeed_config_file {env['ACCELERATE_DEEPSPEED_CONFIG_FILE']}: zoo makes the "
+                f"DeepSpeed config from the run config and would not read it; drop it and set the run config instead "
+                f"(--zero, --set training.precision=...)")
+    precision = env.get("ACCELERATE_MIXED_PRECISION", "no")
+    if precision in ("bf16", "fp16") and precision != cfg.training.precision:
+        return (f"accelerate launch --mixed_precision {precision}, but the run config trains in "
+                f"{cfg.training.precision}; pass --set training.precision={precision}")
+    return None
 
 
 def say(line: str) -> None:
