@@ -259,3 +259,33 @@ def test_moe_experts_are_saved_whole_and_loaded_per_expert_parallel_rank(tmp_pat
     dist_run(1, moe_load_case, 1, folder)  # and into one process: every expert
     again = dict(iter_tensors(folder + "-again"))
     assert all(torch.equal(again[n], saved[n]) for n in saved)
+
+
+def test_large_tensors_are_read_in_chunks_exactly(tmp_path):
+    """``_read_in_chunks`` (tensors over COPY_CHUNK_BYTES, a few rows per open of the file) fills each kind of
+    local part as the one-pass read does, and as the full tensor cut by hand: a padded vocabulary split over TP, a
+    column split with stride 2 (fused [gate; up]), a row split, experts of one expert-parallel rank, a bias."""
+    from zoo.convert import io
+    from zoo.parallel.layers import set_tensor_model_parallel_attributes, shard_master_weight
+
+    g = torch.Generator().manual_seed(0)
+    full = {"vocab": torch.randn(500, 8, generator=g), "fused": torch.randn(16, 6, generator=g),
+            "rows": torch.randn(5, 12, generator=g), "experts": torch.randn(4, 3, 2, generator=g),
+            "bias": torch.randn(7, generator=g, dtype=torch.float64)}
+    save_file(full, tmp_path / "t.safetensors")
+    tp, rank = 2, 1
+    padded = torch.cat([full["vocab"], torch.zeros(12, 8)])  # 512 rows
+    expected = {"vocab": shard_master_weight(padded, 0, rank, tp),
+                "fused": shard_master_weight(full["fused"], 0, rank, tp, stride=2),
+                "rows": shard_master_weight(full["rows"], 1, rank, tp), "experts": full["experts"][2:4],
+                "bias": full["bias"].float()}
+    params = {name: torch.full_like(value, float("nan")) for name, value in expected.items()}
+    for name, (dim, stride) in {"vocab": (0, 1), "fused": (0, 2), "rows": (1, 1)}.items():
+        set_tensor_model_parallel_attributes(params[name], dim, stride)
+    params["vocab"].unpadded_size = 500
+    params["experts"].expert_parallel = True
+    for name, param in params.items():
+        io._read_in_chunks(tmp_path / "t.safetensors", name, param, rank, tp, 1, 2, chunk_bytes=20)
+        with safe_open(tmp_path / "t.safetensors", "pt") as f:
+            one_pass = io._local_slice(f, name, param, rank, tp, 1, 2)
+        assert torch.equal(param, expected[name]) and torch.equal(param, one_pass.to(param.dtype)), name

@@ -13,7 +13,9 @@ temporary name and moved into place at the end, so a crash never leaves a half-w
 
 Reading (:func:`load_model`): every rank opens the safetensors files lazily and reads only the rows or columns of
 each tensor its shard holds (``safe_open(...).get_slice``), so memory stays at this rank's share of the model.
-Vocabulary rows beyond ``vocab_size`` (padding to a multiple of 128 x tp) are zero.
+Vocabulary rows beyond ``vocab_size`` (padding to a multiple of 128 x tp) are zero. A tensor over 16 MB is copied
+into its parameter a few rows at a time, each read through its own open of the file: pages a read maps stay
+resident until the file closes, and would hold the tensor twice.
 """
 
 from __future__ import annotations
@@ -452,11 +454,10 @@ def model_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _local_slice(handle, key: str, param: torch.Tensor, tp_rank: int, tp: int, ep_rank: int = 0,
-                 ep: int = 1) -> torch.Tensor:
-    """Read the part of stored tensor ``key`` that this rank's ``param`` holds (only those bytes)."""
-    sl = handle.get_slice(key)
-    stored = tuple(sl.get_shape())
+def _local_pieces(key: str, stored: tuple, param: torch.Tensor, tp_rank: int, tp: int, ep_rank: int = 0,
+                  ep: int = 1) -> tuple[int, list]:
+    """Where this rank's ``param`` lies in stored tensor ``key``: ``(dim, pieces)``, the pieces in order along
+    ``dim``, each ``(index into the stored tensor, or None for zero padding rows, its size along dim)``."""
     expected = list(param.shape)
     rows = getattr(param, "unpadded_size", None)
     if is_expert_parallel(param):
@@ -465,13 +466,13 @@ def _local_slice(handle, key: str, param: torch.Tensor, tp_rank: int, tp: int, e
         if tuple(expected) != stored:
             raise CheckpointError(f"tensor {key}: checkpoint has shape {stored}, the model expects {tuple(expected)} "
                                   f"(all {local * ep} experts)")
-        return sl[ep_rank * local:(ep_rank + 1) * local]
+        return 0, [(slice(ep_rank * local, (ep_rank + 1) * local), local)]
     if not is_sharded(param):
         if rows is not None:
             expected[0] = rows
         if tuple(expected) != stored:
             raise CheckpointError(f"tensor {key}: checkpoint has shape {stored}, the model expects {tuple(expected)}")
-        return sl[:]
+        return 0, [(slice(None), stored[0] if stored else 1)]
     dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
     full_size = param.shape[dim] * tp
     expected[dim] = full_size
@@ -483,15 +484,53 @@ def _local_slice(handle, key: str, param: torch.Tensor, tp_rank: int, tp: int, e
     pieces = []
     for start, stop in shard_ranges(full_size, tp_rank, tp, stride):
         real_stop = min(stop, stored[dim])
-        index = [slice(None)] * len(stored)
         if real_stop > start:
+            index = [slice(None)] * len(stored)
             index[dim] = slice(start, real_stop)
-            pieces.append(sl[tuple(index)])
+            pieces.append((tuple(index), real_stop - start))
         if real_stop < stop:  # padded vocabulary rows
+            pieces.append((None, stop - max(start, real_stop)))
+    return dim, pieces
+
+
+def _local_slice(handle, key: str, param: torch.Tensor, tp_rank: int, tp: int, ep_rank: int = 0,
+                 ep: int = 1) -> torch.Tensor:
+    """Read the part of stored tensor ``key`` that this rank's ``param`` holds (only those bytes)."""
+    sl = handle.get_slice(key)
+    dim, pieces = _local_pieces(key, tuple(sl.get_shape()), param, tp_rank, tp, ep_rank, ep)
+    parts = []
+    for index, size in pieces:
+        if index is None:
             shape = list(param.shape)
-            shape[dim] = stop - max(start, real_stop)
-            pieces.append(torch.zeros(shape, dtype=param.dtype))
-    return torch.cat(pieces, dim=dim)
+            shape[dim] = size
+            parts.append(torch.zeros(shape, dtype=param.dtype))
+        else:
+            parts.append(sl[index])
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def _read_in_chunks(path: Path, key: str, param: torch.Tensor, tp_rank: int, tp: int, ep_rank: int, ep: int,
+                    chunk_bytes: int = COPY_CHUNK_BYTES) -> None:
+    """Copy this rank's part of ``key`` into ``param`` ``chunk_bytes`` of rows at a time, each through its own open
+    of the file: the pages a read maps stay resident until the file is closed, so reading a large tensor through one
+    open file would hold it twice (its pages and the parameter)."""
+    with safe_open(path, "pt") as f:
+        stored = tuple(f.get_slice(key).get_shape())
+    dim, pieces = _local_pieces(key, stored, param, tp_rank, tp, ep_rank, ep)
+    offset = 0
+    for index, size in pieces:
+        dest = param.narrow(dim, offset, size)
+        offset += size
+        if index is None:
+            dest.zero_()
+            continue
+        index = index if isinstance(index, tuple) else (index,) + (slice(None),) * (len(stored) - 1)
+        first = range(stored[0])[index[0]]  # the stored rows this piece reads
+        step = max(1, chunk_bytes // max(1, dest[0].numel() * dest.element_size()))
+        for a in range(0, len(first), step):
+            rows = slice(first.start + a, first.start + min(a + step, len(first)))
+            with safe_open(path, "pt") as f:
+                dest[a:a + step].copy_(f.get_slice(key)[(rows, *index[1:])])
 
 
 def load_model(folder: str | os.PathLike, module: torch.nn.Module, tp_group=None, ep_group=None) -> None:
@@ -515,8 +554,10 @@ def load_model(folder: str | os.PathLike, module: torch.nn.Module, tp_group=None
         by_file.setdefault(mapping[name], []).append(name)
     with torch.no_grad():
         for fname, names in by_file.items():
+            large = [n for n in names if params[n].numel() * params[n].element_size() > COPY_CHUNK_BYTES]
             with safe_open(folder / fname, "pt") as f:
-                for name in names:
+                for name in (n for n in names if n not in large):
                     param = params[name]
-                    value = _local_slice(f, name, param, tp_rank, tp, ep_rank, ep)
-                    param.copy_(value.to(param.dtype))
+                    param.copy_(_local_slice(f, name, param, tp_rank, tp, ep_rank, ep))
+            for name in large:
+                _read_in_chunks(folder / fname, name, params[name], tp_rank, tp, ep_rank, ep)

@@ -86,6 +86,8 @@ def shard_master_weight(master: torch.Tensor, partition_dim: int, rank: int, wor
     """
     size = master.shape[partition_dim]
     per_block = divide(size, world_size * stride, f"dimension {partition_dim} of a {tuple(master.shape)} weight / stride {stride}")
+    if world_size == 1:  # the whole tensor: no copy (a model built one layer at a time holds each layer once)
+        return master.contiguous()
     blocks = torch.split(master, per_block, dim=partition_dim)
     return torch.cat(blocks[rank::world_size], dim=partition_dim).contiguous()
 
