@@ -202,6 +202,21 @@ def test_verify_every_layout(hf_dirs, zoo_dirs, dist_run):
             assert diff < TOL, f"{name} at tp={tp} pp={pp}: max |diff| {diff}"
 
 
+def test_verify_with_a_memory_cap_streams_both_sides(hf_dirs, zoo_dirs, dist_run):
+    """--max-memory at tp=2 for BERT's two-output head (MLM + NSP): the uncapped number, HF through accelerate's
+    device_map, the zoo side one layer at a time."""
+    from tests.convert.test_hf_gpt import capped_and_whole, check_capped
+    from zoo.convert.hf_bert import zoo_bert_config
+    from zoo.models.bert import layer_specs
+    from zoo.models.gpt import ParallelOptions
+
+    pairs = [(str(hf_dirs["pretraining"]), str(zoo_dirs["pretraining"]))]
+    _, cfg, head = zoo_bert_config(zoo_dirs["pretraining"])
+    shares = [0, 0.75]
+    result = dist_run(2, capped_and_whole, pairs, 2, shares, batch=3, seq=24)[0]
+    check_capped(result, pairs, shares, layers=len(layer_specs(cfg, ParallelOptions(), head)))
+
+
 def test_verify_notices_a_wrong_weight(hf_dirs, zoo_dirs, tmp_path, dist_run):
     """Q, K and V rows shifted by one head in one block's fused QKV (still the right shape): verify reports it."""
     d = 64 // 4

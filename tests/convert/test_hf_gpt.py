@@ -202,6 +202,58 @@ def test_verify_notices_a_wrong_weight(hf_dirs, zoo_dirs, tmp_path, dist_run):
     assert bad > 1e-2
 
 
+def checkpoint_bytes(folder) -> int:
+    return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
+
+
+def capped_and_whole(pairs, tp, shares, **kwargs):
+    """verify_report of each pair with memory caps of each share of its HF checkpoint's size (0: 1 byte), then
+    without one, and the parameter count of every module ``io.load_model`` filled along the way (capped runs first,
+    then the whole ones)."""
+    from zoo.convert import io
+    from zoo.convert.verify import verify_report
+
+    real, filled = io.load_model, []
+
+    def recording(folder, module, *args):
+        filled.append(sum(p.numel() for p in module.parameters()))
+        return real(folder, module, *args)
+
+    io.load_model = recording
+    try:
+        capped = [[verify_report(hf, zoo, tp, max_memory=max(1, int(share * checkpoint_bytes(hf))), **kwargs)
+                   for share in shares] for hf, zoo in pairs]
+        streamed = list(filled)
+        filled.clear()
+        whole = [verify_report(hf, zoo, tp, **kwargs) for hf, zoo in pairs]
+    finally:
+        io.load_model = real
+    return capped, whole, streamed, filled
+
+
+def check_capped(result, pairs, shares, layers: int):
+    """A capped verify gives the uncapped one's number; accelerate placed the HF modules as the cap allows (all on
+    disk at 1 byte, some on the CPU at 3/4 of the checkpoint), and the zoo side filled one layer at a time."""
+    capped, whole, streamed, filled = result
+    for (hf, _), reports, ref in zip(pairs, capped, whole):
+        assert ref.max_abs_diff < TOL and ref.hf_device_map is None
+        for share, report in zip(shares, reports):
+            assert report.max_abs_diff == pytest.approx(ref.max_abs_diff, abs=1e-6), (hf, share)
+            devices = set(report.hf_device_map.values())
+            assert devices == ({"disk"} if share == 0 else {"cpu", "disk"}), (hf, share, report.hf_device_map)
+    assert len(streamed) == len(pairs) * len(shares) * layers and len(filled) == len(pairs)
+    assert max(streamed) < min(filled) / 2, "the zoo side held one layer at a time, never the model"
+
+
+def test_verify_with_a_memory_cap_streams_both_sides(hf_dirs, zoo_dirs, dist_run):
+    """--max-memory at tp=2: the zoo side one layer at a time, transformers through accelerate's device_map with
+    disk offload; the same max |logit diff| as the uncapped verify."""
+    pairs = [(str(hf_dirs["gpt2"]), str(zoo_dirs["gpt2"]))]  # its tied head: the embedding built twice
+    shares = [0, 0.75]
+    result = dist_run(2, capped_and_whole, pairs, 2, shares)[0]
+    check_capped(result, pairs, shares, layers=2 + 3)  # embedding, 2 blocks, final norm, head
+
+
 def test_verify_command_tp3_torchrun(hf_dirs, zoo_dirs):
     """A 9-query, 3-key-value-head model runs at tp=3 (three processes); the last line is max_abs_diff=<float>."""
     with socket.socket() as s:
@@ -367,6 +419,11 @@ def test_bad_input(hf_dirs, zoo_dirs, tmp_path, capsys):
                  hf_dirs["llama-untied"], "--zoo", zoo_dirs["llama-untied"], "--tp", "4")
     assert_error(capsys, "pp 3 exceeds num_hidden_layers 2", "verify", "--hf", hf_dirs["gpt2"], "--zoo",
                  zoo_dirs["gpt2"], "--pp", "3")
+    assert_error(capsys, "--max-memory runs the zoo model one layer at a time in one pipeline stage, not at pp 2: "
+                 "use --pp 1", "verify", "--hf", hf_dirs["gpt2"], "--zoo", zoo_dirs["gpt2"], "--pp", "2",
+                 "--max-memory", "1GB")
+    assert_error(capsys, "--max-memory must be a positive size", "verify", "--hf", hf_dirs["gpt2"], "--zoo",
+                 zoo_dirs["gpt2"], "--max-memory", "0")
     with pytest.raises(ConvertError, match="are different models: hidden_size 64 vs 72"):
         check_hf(hf_dirs["gpt2"], GPTConfig.from_dict(io.read_config(zoo_dirs["llama-9q3kv"])[1]))
     # A zoo folder whose tensor does not fit its config.

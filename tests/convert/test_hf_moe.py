@@ -210,18 +210,20 @@ def test_verify_every_layout(hf_dirs, zoo_dirs, tmp_path, dist_run):
 
 
 def test_verify_command_torchrun(hf_dirs, zoo_dirs):
-    """launch/convert.py verify --ep 2 on two processes: the agreement line, then max_abs_diff=<float> last."""
+    """launch/convert.py verify --ep 2 --max-memory 1KB on two processes (each rank's experts streamed one layer at
+    a time, transformers' model offloaded to disk): the agreement line, then max_abs_diff=<float> last."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
            str(ROOT / "launch" / "convert.py"), "verify", "--hf", str(hf_dirs["qwen2-moe", "fused"]),
-           "--zoo", str(zoo_dirs["qwen2-moe", "per-expert"]), "--ep", "2"]
+           "--zoo", str(zoo_dirs["qwen2-moe", "per-expert"]), "--ep", "2", "--max-memory", "1KB"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert lines[-3] == "tp=1 pp=1 ep=2 tol=0.0001 ok" and lines[-2] == "router_topk_agreement=1.0000", lines[-3:]
+    assert lines[-4] == "hf modules (accelerate device_map, cpu <= 1KB): disk 1; zoo: one layer at a time"
     m = re.fullmatch(r"max_abs_diff=(\S+)", lines[-1])
     assert m and float(m.group(1)) < TOL, lines[-1]
 

@@ -3,6 +3,7 @@
     python launch/convert.py hf-to-zoo --src openai-community/gpt2 --out models/gpt2 [--dtype bf16] [--allow-pickle]
     python launch/convert.py zoo-to-hf --src models/gpt2 --out hf/gpt2 [--dtype fp32]
     python launch/convert.py verify --hf openai-community/gpt2 --zoo models/gpt2
+    python launch/convert.py verify --hf HF_FOLDER --zoo models/NAME --max-memory 2GB    # neither model whole in RAM
     torchrun --nproc_per_node 4 launch/convert.py verify --hf HF --zoo models/gpt2 --tp 2 --pp 2
     python launch/convert.py zoo-to-hf --src models/mixtral --out hf/mixtral [--fused-experts]
     torchrun --nproc_per_node 4 launch/convert.py verify --hf HF_MIXTRAL --zoo models/mixtral --tp 2 --ep 2
@@ -23,6 +24,9 @@ huggingface_hub's cache (cache only when HF_HUB_OFFLINE=1). Only safetensors are
 (diffusers folders: safetensors only); remote code is never run. Bad input prints one line ``error: ...`` and exits
 2; verify prints ``max_abs_diff=<float>`` as its last line (for MoE GPTs after ``router_topk_agreement=<float>``, the
 fraction of the routers' top-k choices zoo and transformers share) and exits 1 when that exceeds ``--tol``.
+``--max-memory SIZE`` (GPT, BERT; pp 1) checks without either model whole in memory: zoo's side runs one layer at a
+time, transformers' side loads through accelerate's big-model path (``zoo.convert.verify.hf_loading``); a line
+before the verdict says where accelerate put the HF modules.
 """
 
 from __future__ import annotations
@@ -45,6 +49,14 @@ def parse_size(text: str) -> int:
     if not m:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GB, 500MB)")
     return int(float(m.group(1)) * 1024 ** " KMG".index(m.group(2).upper() or " "))
+
+
+def size_text(n: int) -> str:
+    """Bytes as :func:`parse_size` reads them: 1024 -> '1KB', 2**31 -> '2GB'."""
+    for power, unit in ((3, "GB"), (2, "MB"), (1, "KB")):
+        if n >= 1024**power:
+            return f"{n / 1024**power:.4g}{unit}"
+    return f"{n}B"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=16, help="sequence length (GPT, BERT; a U-Net's size is its config's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--allow-pickle", action="store_true")
+    p.add_argument("--max-memory", type=parse_size, metavar="SIZE",
+                   help="e.g. 2GB: check without either model whole in memory (GPT, BERT; pp 1): zoo's side runs one "
+                        "layer at a time, transformers' side loads through accelerate (device_map, at most SIZE of "
+                        "weights on the CPU, the rest offloaded to disk)")
     return parser
 
 
@@ -102,7 +118,7 @@ def _verify(args) -> int:
 
     try:
         report = verify_report(args.hf, args.zoo, args.tp, args.pp, ep=args.ep, batch=args.batch, seq=args.seq,
-                               seed=args.seed, allow_pickle=args.allow_pickle)
+                               seed=args.seed, allow_pickle=args.allow_pickle, max_memory=args.max_memory)
     except (ConvertError, LayoutError, io.CheckpointError) as e:
         return error(str(e))
     finally:
@@ -110,11 +126,22 @@ def _verify(args) -> int:
     diff = report.max_abs_diff
     if _is_rank0():
         ep = f" ep={args.ep}" if args.ep != 1 else ""
+        if report.hf_device_map is not None:
+            print(f"hf modules (accelerate device_map, cpu <= {size_text(args.max_memory)}): "
+                  f"{placement(report.hf_device_map)}; zoo: one layer at a time", flush=True)
         print(f"tp={args.tp} pp={args.pp}{ep} tol={args.tol:g} {'ok' if diff <= args.tol else 'FAILED'}", flush=True)
         if report.router_topk_agreement is not None:
             print(f"router_topk_agreement={report.router_topk_agreement:.4f}", flush=True)
         print(f"max_abs_diff={diff:.3e}", flush=True)
     return 0 if diff <= args.tol else 1
+
+
+def placement(device_map: dict) -> str:
+    """``"cpu 3, disk 14"``: how many of accelerate's device-map entries went where."""
+    counts: dict = {}
+    for device in device_map.values():
+        counts[str(device)] = counts.get(str(device), 0) + 1
+    return ", ".join(f"{device} {n}" for device, n in sorted(counts.items())) or "none"
 
 
 class _Stdout(logging.Handler):

@@ -3,11 +3,18 @@
     python launch/convert.py verify --hf HF --zoo DIR
     torchrun --nproc_per_node 4 launch/convert.py verify --hf HF --zoo DIR --tp 2 --pp 2
     torchrun --nproc_per_node 4 launch/convert.py verify --hf MOE_HF --zoo DIR --tp 2 --ep 2
+    python launch/convert.py verify --hf HF --zoo DIR --max-memory 2GB
 
 Every rank builds its part of the zoo model at (tp, pp), reads its slices of the folder (``io.load_model``) and
 runs a fixed, seeded batch; pipeline stages pass activations with ``zoo.parallel.pipe_forward``, the last stage
 gathers the vocab-sharded logits over TP and cuts the padding, and global rank 0 compares them with transformers'
 outputs on the same inputs (fp32 on both sides). As torchtitan checks its converters: by logits.
+
+With a memory cap (``max_memory``, GPT and BERT at pp 1) neither side holds its whole model: zoo's layers are built,
+filled from the folder and run one at a time (:func:`streamed_forward`; tensors larger than 16 MB are read a few
+rows per open of the file, ``io.load_model``), and transformers loads through accelerate's big-model path
+(``device_map="auto"``, at most ``max_memory`` of weights kept on the CPU, the rest offloaded to disk and brought in
+module by module during the forward). The logits are the same as without the cap.
 
 Mixture-of-experts GPTs (``ep`` > 1 splits each MoE layer's experts over expert-parallel groups of data-parallel
 ranks) are also compared by their routing: forward hooks record the experts each token chose, at every zoo router
@@ -26,6 +33,8 @@ tensors (``zoo.models.unet.UNetPipelineModule``), and only rank 0 imports diffus
 
 from __future__ import annotations
 
+import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -53,11 +62,12 @@ STRUCTURE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_he
 
 @dataclass
 class Verification:
-    """What :func:`verify_report` found: the largest |zoo - HF| output difference and, for MoE GPTs, the router
-    top-k agreement (None for dense models)."""
+    """What :func:`verify_report` found: the largest |zoo - HF| output difference, for MoE GPTs the router top-k
+    agreement (None for dense models), and with a memory cap the HF side's device map."""
 
     max_abs_diff: float
     router_topk_agreement: float | None = None
+    hf_device_map: dict | None = None  # with a memory cap: where accelerate put the HF modules ("cpu", "disk")
 
 
 def _either(values: list[int]) -> str:
@@ -125,13 +135,13 @@ def token_ids(cfg: GPTConfig, batch: int = 2, seq: int = 16, seed: int = 0) -> t
     return torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
-def record_zoo_routing(module, num_tokens: int) -> tuple[dict, list]:
+def record_zoo_routing(module, num_tokens: int, chosen: dict | None = None) -> tuple[dict, list]:
     """Forward hooks on every ``MoERouter`` of ``module`` (this stage's blocks): ``{block: [T_local, k]
-    chosen experts}`` of the next forward, and the hook handles. ``num_tokens`` (b x s) tells whether a call saw all
-    tokens (T_local == b s) or this TP rank's share of them."""
+    chosen experts}`` of the next forward (into ``chosen`` when given), and the hook handles. ``num_tokens`` (b x s)
+    tells whether a call saw all tokens (T_local == b s) or this TP rank's share of them."""
     from zoo.models.moe import MoERouter
 
-    chosen, handles = {}, []
+    chosen, handles = {} if chosen is None else chosen, []
     for name, sub in module.named_modules():
         if isinstance(sub, MoERouter):
             block = int(name.split(".")[0]) - 1  # zoo's layer i + 1 is HF's block i (layer 0 is the embedding)
@@ -157,10 +167,30 @@ def merge_zoo_routing(parts: list) -> dict:
     return out
 
 
-def zoo_logits(zoo, cfg: GPTConfig, tp: int, pp: int, ids: torch.Tensor, ep: int = 1, routing: dict | None = None) \
-        -> torch.Tensor | None:
+def streamed_forward(specs: list, zoo, inputs, tp_group=None, ep_group=None, device="cpu", on_layer=None):
+    """The layers of ``specs`` in one process (pp 1), each built, filled from the zoo folder, run and freed before
+    the next is built, so the forward holds one layer's weights at a time (``--max-memory``). ``on_layer(layer)``
+    may return hook handles, removed after the layer ran."""
+    from zoo.models.specs import SpecSequential
+
+    for idx in range(len(specs)):
+        layer = SpecSequential(specs, only=idx)  # named as in the whole model: load_model finds its tensors
+        io.load_model(zoo, layer, tp_group, ep_group)
+        layer.to(device).eval()
+        handles = on_layer(layer) if on_layer is not None else []
+        with torch.no_grad():
+            inputs = layer(inputs)
+        for handle in handles:
+            handle.remove()
+        del layer
+    return inputs
+
+
+def zoo_logits(zoo, cfg: GPTConfig, tp: int, pp: int, ids: torch.Tensor, ep: int = 1, routing: dict | None = None,
+               stream: bool = False) -> torch.Tensor | None:
     """``[b, s, vocab_size]`` fp32 logits of the zoo folder at (tp, pp, ep) on global rank 0; None elsewhere.
-    With ``routing`` (a dict), rank 0 also fills it with every MoE block's chosen experts ``[b s, k]``."""
+    With ``routing`` (a dict), rank 0 also fills it with every MoE block's chosen experts ``[b s, k]``. ``stream``
+    (pp 1): one layer in memory at a time (:func:`streamed_forward`)."""
     from deepspeed.accelerator import get_accelerator
 
     from zoo.models.specs import SpecSequential, build_pipeline
@@ -171,16 +201,25 @@ def zoo_logits(zoo, cfg: GPTConfig, tp: int, pp: int, ids: torch.Tensor, ep: int
     grid = initialize_model_parallel(tp, pp, ep)
     ep_group = grid.ep_group if ep > 1 else None
     specs = layer_specs(cfg, ParallelOptions(tp_group=grid.tp_group, ep_group=ep_group))
-    module = build_pipeline(specs, grid, loss_fn=GPTLoss(cfg, grid.tp_group)) if pp > 1 else SpecSequential(specs)
-    io.load_model(zoo, module, grid.tp_group, ep_group)  # this rank's slices, this EP rank's experts
-    module.to(device).eval()
-    chosen, handles = record_zoo_routing(module, ids.numel()) if cfg.num_experts else ({}, [])
-    with torch.no_grad():
-        out = pipeline_forward(module, ids.to(device), grid, device)  # [b, s, V_padded / tp] on the last stage
-        if out is not None:
+    chosen = {}
+
+    def record(module):  # hooks on the MoE routers of what runs next
+        return record_zoo_routing(module, ids.numel(), chosen)[1] if cfg.num_experts else []
+
+    if stream:
+        out = streamed_forward(specs, zoo, ids.to(device), grid.tp_group, ep_group, device, on_layer=record)
+    else:
+        module = build_pipeline(specs, grid, loss_fn=GPTLoss(cfg, grid.tp_group)) if pp > 1 else SpecSequential(specs)
+        io.load_model(zoo, module, grid.tp_group, ep_group)  # this rank's slices, this EP rank's experts
+        module.to(device).eval()
+        handles = record(module)
+        with torch.no_grad():
+            out = pipeline_forward(module, ids.to(device), grid, device)  # [b, s, V_padded / tp] on the last stage
+        for handle in handles:
+            handle.remove()
+    if out is not None:
+        with torch.no_grad():
             out = gather_from_tensor_model_parallel_region(out, grid.tp_group)[..., : cfg.vocab_size].float()
-    for handle in handles:
-        handle.remove()
     if cfg.num_experts:  # every replica saw the same batch: the first one's choices
         parts = gather_objects((grid.tp_rank, chosen) if grid.dp_rank == 0 and getattr(grid, "cp_rank", 0) == 0
                                else None)
@@ -191,13 +230,35 @@ def zoo_logits(zoo, cfg: GPTConfig, tp: int, pp: int, ids: torch.Tensor, ep: int
     return None if logits is None else logits.cpu()
 
 
-def hf_logits(folder, ids: torch.Tensor, *, allow_pickle: bool = False, routing: dict | None = None) -> torch.Tensor:
+@contextmanager
+def hf_loading(max_memory: int | None):
+    """``from_pretrained`` arguments for the HF side: none (the whole model in memory), or with ``max_memory`` (bytes)
+    accelerate's big-model loading: modules kept on the CPU up to that size, the rest offloaded to disk (safetensors
+    are read in place; other weights go to a temporary folder) and brought in module by module as the forward
+    reaches them."""
+    if max_memory is None:
+        yield {}
+        return
+    with tempfile.TemporaryDirectory(prefix="zoo-verify-offload-") as offload:
+        yield {"device_map": "auto", "max_memory": {"cpu": max_memory}, "offload_folder": offload}
+
+
+def hf_logits(folder, ids: torch.Tensor, *, allow_pickle: bool = False, routing: dict | None = None,
+              max_memory: int | None = None, device_map: dict | None = None) -> torch.Tensor:
     """transformers' fp32 logits; with ``routing`` (a dict) also every MoE block's chosen experts ``[b s, k]``, the
-    indices its gate (``model.layers[i].mlp.gate``) returns."""
+    indices its gate (``model.layers[i].mlp.gate``) returns. ``max_memory``: see :func:`hf_loading`; ``device_map``
+    (a dict) then receives where each module went."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_safetensors=not allow_pickle,
-                                                 trust_remote_code=False).eval()
+    with hf_loading(max_memory) as loading:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_safetensors=not allow_pickle,
+                                                     trust_remote_code=False, **loading).eval()
+        if device_map is not None:  # transformers keeps no map when everything fits on the CPU
+            device_map.update(getattr(model, "hf_device_map", None) or {"": "cpu"})
+        return _causal_lm_logits(model, ids, routing)
+
+
+def _causal_lm_logits(model, ids: torch.Tensor, routing: dict | None) -> torch.Tensor:
     handles = []
     if routing is not None:
         for i, layer in enumerate(model.model.layers):
@@ -230,24 +291,31 @@ def topk_agreement(ours: dict, theirs: dict) -> float:
 
 
 def verify(hf, zoo, tp: int = 1, pp: int = 1, *, ep: int = 1, batch: int = 2, seq: int = 16, seed: int = 0,
-           allow_pickle: bool = False) -> float:
+           allow_pickle: bool = False, max_memory: int | None = None) -> float:
     """max |zoo logits - HF logits| on the fixed batch. Collective: every rank of a world of tp x pp (x dp)
     processes calls it (a plain process is a world of one); every rank returns the same value."""
-    return verify_report(hf, zoo, tp, pp, ep=ep, batch=batch, seq=seq, seed=seed,
-                         allow_pickle=allow_pickle).max_abs_diff
+    return verify_report(hf, zoo, tp, pp, ep=ep, batch=batch, seq=seq, seed=seed, allow_pickle=allow_pickle,
+                         max_memory=max_memory).max_abs_diff
 
 
 def verify_report(hf, zoo, tp: int = 1, pp: int = 1, *, ep: int = 1, batch: int = 2, seq: int = 16, seed: int = 0,
-                  allow_pickle: bool = False) -> Verification:
-    """:func:`verify`'s comparison, with the router top-k agreement for MoE GPTs; the same on every rank."""
+                  allow_pickle: bool = False, max_memory: int | None = None) -> Verification:
+    """:func:`verify`'s comparison, with the router top-k agreement for MoE GPTs; the same on every rank.
+
+    ``max_memory`` (bytes; GPT and BERT): neither side holds the whole model. The zoo side runs one layer at a time
+    (:func:`streamed_forward`, pp 1, any tp), the HF side loads through accelerate with that cap
+    (:func:`hf_loading`)."""
     try:
         family = io.read_config(zoo)[0]
     except io.CheckpointError as e:
         raise ConvertError(str(e)) from None
     if ep != 1 and family != "gpt":
         raise ConvertError(f"ep {ep} is for mixture-of-experts GPTs; {zoo} holds a {family!r} model: use ep 1")
+    if max_memory is not None:
+        check_memory_cap(max_memory, family, pp)
     if family in hf_bert.FAMILIES:
-        return Verification(verify_bert(hf, zoo, tp, pp, batch=batch, seq=seq, seed=seed, allow_pickle=allow_pickle))
+        return verify_bert(hf, zoo, tp, pp, batch=batch, seq=seq, seed=seed, allow_pickle=allow_pickle,
+                           max_memory=max_memory)
     if family == "unet-diffusion":
         return Verification(verify_unet(hf, zoo, tp, pp, batch=batch, seed=seed))
     cfg = check_zoo(zoo, tp, pp, ep)
@@ -265,14 +333,28 @@ def verify_report(hf, zoo, tp: int = 1, pp: int = 1, *, ep: int = 1, batch: int 
     ids = token_ids(cfg, batch, seq, seed)
     moe = cfg.num_experts > 0
     our_routing, their_routing = ({}, {}) if moe else (None, None)
-    ours = zoo_logits(zoo, cfg, tp, pp, ids, ep, our_routing)
+    ours = zoo_logits(zoo, cfg, tp, pp, ids, ep, our_routing, stream=max_memory is not None)
     result = None
     if global_rank() == 0:
-        theirs = hf_logits(folder, ids, allow_pickle=allow_pickle, routing=their_routing)
+        placed = {}
+        theirs = hf_logits(folder, ids, allow_pickle=allow_pickle, routing=their_routing, max_memory=max_memory,
+                           device_map=placed)
         # Shapes match after check_hf; a mismatch here must not leave the other ranks waiting.
         diff = (ours - theirs).abs().max().item() if theirs.shape == ours.shape else float("inf")
-        result = Verification(diff, topk_agreement(our_routing, their_routing) if moe else None)
+        result = Verification(diff, topk_agreement(our_routing, their_routing) if moe else None,
+                              placed if max_memory is not None else None)
     return gather_objects(result)[0]
+
+
+def check_memory_cap(max_memory: int, family: str, pp: int) -> None:
+    """Where a memory cap (``--max-memory``) works: GPT and BERT folders, one pipeline stage."""
+    if max_memory <= 0:
+        raise ConvertError(f"--max-memory must be a positive size (e.g. 2GB), got {max_memory} bytes")
+    if family not in ("gpt", *hf_bert.FAMILIES):
+        raise ConvertError(f"--max-memory is for gpt and bert folders; {family!r} models are checked whole: drop it")
+    if pp != 1:
+        raise ConvertError(f"--max-memory runs the zoo model one layer at a time in one pipeline stage, not at pp {pp}: "
+                           f"use --pp 1 (any --tp)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -353,10 +435,11 @@ def pipeline_forward_tuple(module, inputs, grid, device="cpu"):
     return out
 
 
-def zoo_bert_outputs(zoo, cfg: BertConfig, head: str | None, tp: int, pp: int, inputs) -> list | None:
+def zoo_bert_outputs(zoo, cfg: BertConfig, head: str | None, tp: int, pp: int, inputs, stream: bool = False) \
+        -> list | None:
     """What the zoo model of ``head`` outputs at (tp, pp), fp32, on global rank 0 (None elsewhere): the last hidden
     state ``[b, s, h]``; MLM logits ``[b, s, vocab_size]`` (gathered over TP, padding cut); then NSP logits
-    ``[b, 2]``; or classification logits ``[b, num_labels]``."""
+    ``[b, 2]``; or classification logits ``[b, num_labels]``. ``stream`` (pp 1): one layer in memory at a time."""
     from deepspeed.accelerator import get_accelerator
 
     from zoo.models.bert import layer_specs as bert_layer_specs
@@ -367,14 +450,18 @@ def zoo_bert_outputs(zoo, cfg: BertConfig, head: str | None, tp: int, pp: int, i
     device = get_accelerator().current_device_name()
     grid = initialize_model_parallel(tp, pp)
     specs = bert_layer_specs(cfg, ParallelOptions(tp_group=grid.tp_group), head)
-    # No stage boundary inside the MLM head: stages split at BertLayers (zoo/models/bert.py).
-    module = build_pipeline(specs, grid, loss_fn=None, partition_method="type:BertLayer") if pp > 1 \
-        else SpecSequential(specs)
-    io.load_model(zoo, module, grid.tp_group)
-    module.to(device).eval()
+    inputs = tuple(t.to(device) for t in inputs)
+    if stream:
+        out = streamed_forward(specs, zoo, inputs, grid.tp_group, device=device)
+    else:
+        # No stage boundary inside the MLM head: stages split at BertLayers (zoo/models/bert.py).
+        module = build_pipeline(specs, grid, loss_fn=None, partition_method="type:BertLayer") if pp > 1 \
+            else SpecSequential(specs)
+        io.load_model(zoo, module, grid.tp_group)
+        module.to(device).eval()
+        out = pipeline_forward_tuple(module, inputs, grid, device)
     outs = None
     with torch.no_grad():
-        out = pipeline_forward_tuple(module, tuple(t.to(device) for t in inputs), grid, device)
         if out is not None:
             outs = list(out) if isinstance(out, tuple) else [out]
             if head in ("mlm", "mlm+nsp"):  # [b, s, V_padded / tp] -> [b, s, vocab_size]
@@ -386,12 +473,22 @@ def zoo_bert_outputs(zoo, cfg: BertConfig, head: str | None, tp: int, pp: int, i
     return None if moved[0] is None else [t.cpu() for t in moved]
 
 
-def hf_bert_outputs(folder, arch: str, inputs, *, allow_pickle: bool = False) -> list:
-    """transformers' outputs matching :func:`zoo_bert_outputs`, fp32."""
+def hf_bert_outputs(folder, arch: str, inputs, *, allow_pickle: bool = False, max_memory: int | None = None,
+                    device_map: dict | None = None) -> list:
+    """transformers' outputs matching :func:`zoo_bert_outputs`, fp32 (``max_memory``, ``device_map``: as
+    :func:`hf_logits`)."""
     import transformers
 
-    model = getattr(transformers, arch).from_pretrained(folder, dtype=torch.float32, use_safetensors=not allow_pickle,
-                                                        trust_remote_code=False).eval()
+    with hf_loading(max_memory) as loading:
+        model = getattr(transformers, arch).from_pretrained(folder, dtype=torch.float32,
+                                                            use_safetensors=not allow_pickle, trust_remote_code=False,
+                                                            **loading).eval()
+        if device_map is not None:
+            device_map.update(getattr(model, "hf_device_map", None) or {"": "cpu"})
+        return _bert_outputs(model, arch, inputs)
+
+
+def _bert_outputs(model, arch: str, inputs) -> list:
     ids, token_type_ids, attention_mask = inputs
     with torch.no_grad():
         out = model(input_ids=ids, token_type_ids=token_type_ids, attention_mask=attention_mask)
@@ -403,9 +500,9 @@ def hf_bert_outputs(folder, arch: str, inputs, *, allow_pickle: bool = False) ->
 
 
 def verify_bert(hf, zoo, tp: int = 1, pp: int = 1, *, batch: int = 2, seq: int = 16, seed: int = 0,
-                allow_pickle: bool = False) -> float:
+                allow_pickle: bool = False, max_memory: int | None = None) -> Verification:
     """max |zoo - HF| over the outputs of the zoo folder's head (see :func:`zoo_bert_outputs`) on the fixed padded
-    batch. Collective, as :func:`verify`."""
+    batch (and with ``max_memory`` the HF device map). Collective, as :func:`verify`."""
     cfg, head = check_bert_zoo(zoo, tp, pp)
     initialize_model_parallel(tp, pp)
     folder = arch = problem = None
@@ -418,13 +515,16 @@ def verify_bert(hf, zoo, tp: int = 1, pp: int = 1, *, batch: int = 2, seq: int =
     if problem:
         raise ConvertError(problem)
     inputs = bert_inputs(cfg, batch, seq, seed)
-    ours = zoo_bert_outputs(zoo, cfg, head, tp, pp, inputs)
-    diff = None
+    ours = zoo_bert_outputs(zoo, cfg, head, tp, pp, inputs, stream=max_memory is not None)
+    result = None
     if global_rank() == 0:
-        theirs = hf_bert_outputs(folder, arch, inputs, allow_pickle=allow_pickle)
+        placed = {}
+        theirs = hf_bert_outputs(folder, arch, inputs, allow_pickle=allow_pickle, max_memory=max_memory,
+                                 device_map=placed)
         same_shapes = [a.shape for a in ours] == [b.shape for b in theirs]
         diff = max((a - b).abs().max().item() for a, b in zip(ours, theirs)) if same_shapes else float("inf")
-    return gather_objects(diff)[0]
+        result = Verification(diff, None, placed if max_memory is not None else None)
+    return gather_objects(result)[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------

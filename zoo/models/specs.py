@@ -26,12 +26,16 @@ class SpecSequential(nn.Module):
     """The layer specs built in one process, named and seeded as ``PipelineModule`` would."""
 
     def __init__(self, specs: list, *, base_seed: int = 1234, activation_checkpointing: bool = False,
-                 checkpointable_layers: tuple[str, ...] = ()):
+                 checkpointable_layers: tuple[str, ...] = (), only: int | None = None):
+        """``only``: build layer ``only`` alone (the forward runs just it), named as in the whole model: a forward
+        streamed one layer at a time (zoo.convert.verify) holds one layer's weights."""
         super().__init__()
         self.tied_modules = nn.ModuleDict()
         self._funcs: list = []
         self._checkpointed: list[bool] = []
         for idx, spec in enumerate(specs):
+            if only is not None and idx != only:
+                continue
             seed_layer(base_seed + idx)
             if isinstance(spec, TiedLayerSpec):
                 if spec.key not in self.tied_modules:
