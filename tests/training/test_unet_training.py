@@ -6,6 +6,7 @@ losses must agree with the single-process run within 1e-5 relative at every step
 """
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -119,11 +120,20 @@ def records(out):
 
 @pytest.fixture(scope="module")
 def seg_run(tmp_path_factory):
+    """Also logged to an offline W&B run (no network), which must receive the prediction grids."""
     from zoo.training.train import main
 
     out = tmp_path_factory.mktemp("seg") / "run"
-    assert main(["--config", str(CONFIGS["seg"]), "--out", str(out), "--steps", "30", "--eval-interval", "15",
-                 "--set", "training.eval_iters=2", "training.log_interval=10"]) == 0
+    env = {"WANDB_MODE": "offline", "WANDB_CONSOLE": "off"}
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        assert main(["--config", str(CONFIGS["seg"]), "--out", str(out), "--steps", "30", "--eval-interval", "15",
+                     "--set", "training.eval_iters=2", "training.log_interval=10",
+                     "training.loggers=[tensorboard,wandb]"]) == 0
+    finally:
+        for k, v in before.items():
+            os.environ.pop(k) if v is None else os.environ.update({k: v})
     return out
 
 
@@ -139,6 +149,21 @@ def test_segmentation_run_improves_dice_and_draws_grids(seg_run):
     assert (seg_run / "samples" / "step_00000030.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     meta = json.loads((seg_run / "model" / "config.json").read_text())
     assert meta["family"] == "unet-segmentation"
+
+
+def test_segmentation_grids_reach_wandb(seg_run):
+    """Each evaluation's grid PNG (the file in OUT/samples) is a W&B image at its step; the last step's file is
+    drawn again from the exported model after training, so only its presence is checked."""
+    from tests.training.test_loggers import read_wandb_run
+
+    run = read_wandb_run(seg_run)
+    for step in (0, 15, 30):
+        row = run["history"][step]
+        assert row["val/predictions/_type"] == "image-file"
+        logged = (run["dir"] / "files" / row["val/predictions/path"]).read_bytes()
+        png = (seg_run / "samples" / f"step_{step:08d}.png").read_bytes()
+        assert logged == png if step < 30 else logged[:8] == png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert run["summary"]["val/val_dice"] == records(seg_run)[-1]["val_dice"]
 
 
 def test_segmentation_metrics_are_dice_and_iou_of_the_counts():
