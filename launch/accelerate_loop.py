@@ -46,7 +46,7 @@ def train_loop(cfg, model_cfg, log=print) -> list[float]:
     ds = {key: value for key, value in deepspeed_config(cfg).items() if key != "optimizer"}
     accelerator = Accelerator(
         deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds), gradient_accumulation_steps=gas,
-        mixed_precision="bf16" if "bf16" in ds else "no",
+        mixed_precision=tr.precision if tr.precision in ("bf16", "fp16") else "no",  # as ds says
         step_scheduler_with_optimizer=False,  # zoo's schedule counts optimizer steps, once each (not per process)
         # the device's own backend (gloo on CPU, where accelerate would otherwise see no distributed device)
         kwargs_handlers=[InitProcessGroupKwargs(backend=get_accelerator().communication_backend_name())])
