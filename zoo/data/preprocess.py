@@ -354,10 +354,10 @@ def run(args: argparse.Namespace) -> str:
 
     # Imported after the cheap checks, so that a mistyped path fails at once (transformers takes seconds).
     import numpy as np
-    from tqdm import tqdm
 
     from zoo.data.indexed import IndexedDatasetBuilder, best_dtype, data_file, index_file
     from zoo.data.tokenizer import load_tokenizer, train_bpe_tokenizer
+    from zoo.progress import progress_bar
 
     tokenizer = None
     if args.tokenizer:
@@ -385,7 +385,7 @@ def run(args: argparse.Namespace) -> str:
         dtype = np.dtype(best_dtype(len(tokenizer)))
         encode = _encoder(tokenizer)
         n_docs = n_tokens = 0
-        bar = tqdm(unit=" docs", file=sys.stderr, disable=args.quiet, mininterval=0.5, dynamic_ncols=True)
+        bar = progress_bar(unit=" docs", disable=args.quiet, mininterval=0.5)  # plain lines in a log file
         with bar, IndexedDatasetBuilder(args.output_prefix, dtype=dtype) as builder:
             batch: list[str] = []
             chars = 0
