@@ -40,7 +40,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from typing import Callable, Iterator, Sequence
 
@@ -355,6 +354,7 @@ def run(args: argparse.Namespace) -> str:
     # Imported after the cheap checks, so that a mistyped path fails at once (transformers takes seconds).
     import numpy as np
 
+    from zoo.data import files
     from zoo.data.indexed import IndexedDatasetBuilder, best_dtype, data_file, index_file
     from zoo.data.tokenizer import load_tokenizer, train_bpe_tokenizer
     from zoo.progress import progress_bar
@@ -373,8 +373,8 @@ def run(args: argparse.Namespace) -> str:
         created += _makedirs(os.path.dirname(os.path.abspath(args.output_prefix)))
         if args.train_tokenizer:
             created += _makedirs(os.path.dirname(os.path.abspath(args.tokenizer_out)))
-            tmp_tok = tempfile.mkdtemp(dir=os.path.dirname(os.path.abspath(args.tokenizer_out)),
-                                       prefix=os.path.basename(os.path.abspath(args.tokenizer_out)) + ".tmp-")
+            tmp_tok = files.mkdtemp(dir=os.path.dirname(os.path.abspath(args.tokenizer_out)),
+                                    prefix=os.path.basename(os.path.abspath(args.tokenizer_out)) + ".tmp-")
             if not args.quiet:
                 print(f"training a {args.vocab_size}-token byte-level BPE on the inputs ...", file=sys.stderr)
             train_bpe_tokenizer(_all_documents(sources), args.vocab_size, tmp_tok)
