@@ -432,16 +432,15 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
     losses, t_start = [], time.perf_counter()
     bar = None
     if progress and grid.rank == 0 and start < tr.steps:
-        from tqdm import tqdm
+        from zoo.progress import progress_bar
 
-        bar = tqdm(total=tr.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr,
-                   mininterval=1.0)
-        log = bar.write
+        bar = progress_bar(total=tr.steps, initial=start, desc="train", unit="step", mininterval=1.0)
+        log = bar.write  # on a terminal above the bar, in a log file plain lines (zoo.progress)
     if start == 0:
         run_eval(0)
     step = start
     with ExitRequest() as exit_request, collectives_guarded(grid, lambda: step + 1, tr.collective_timeout_minutes), \
-            contextlib.closing(bar) if bar is not None else contextlib.nullcontext():  # its line ends on an error too
+            bar if bar is not None else contextlib.nullcontext():  # lines printed go above it; closed on an error too
         for step in range(start, tr.steps):
             t0 = time.perf_counter()
             lr = engine.get_lr()[0]  # the rate this step uses
