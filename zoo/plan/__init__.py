@@ -36,8 +36,9 @@ Sec. 2.2.1) + data-parallel communication not hidden + the optimizer step:
   gradients point to point per micro-batch, partitioned over TP; expert parallel: 2 all-to-alls per MoE layer
   and pass; ring algorithms move 2(n-1)/n (all-reduce) or (n-1)/n of the buffer through each GPU's link at
   ``bandwidth_efficiency`` of its nominal rate, plus a latency per collective;
-- data parallel as DeepSpeed runs it (``estimate.estimate``): ZeRO-0/1 reduce once per step, ZeRO-2 every
-  micro-batch, ZeRO-3 also gathers every block's parameters per pass; only ZeRO-3's is overlapped with compute.
+- data parallel as DeepSpeed runs it (its calls counted by ``zoo.parallel.comm_count``): ZeRO-0/1 all-reduce
+  the gradients once per step, ZeRO-2 every micro-batch, ZeRO-1/2 then all-gather the parameters, ZeRO-3
+  reduce-scatters every micro-batch and gathers every block's parameters per pass; only ZeRO-3's is overlapped.
 
 Throughput: tokens/s = global batch x s / step time; TFLOP/s per GPU counts FLOPs as Megatron's Eq. 3 does
 (with the recomputed forward when recompute is full); MFU counts the model's FLOPs only, against the peak.

@@ -446,10 +446,11 @@ def estimate(job: Job, lay: Layout, gpu: GPU, cache: dict | None = None) -> Esti
     pipeline = (m + lay.pp - 1) * per_micro
     bubble = (lay.pp - 1) * per_micro
 
-    # data parallel, as DeepSpeed runs it: ZeRO-0/1 all-reduce (1: reduce-scatter + all-gather of the updated
-    # parameters, the same volume) the accumulated gradients once per step; ZeRO-2 reduce-scatters every
-    # micro-batch's gradients into the partitions and all-gathers parameters once; ZeRO-3 also all-gathers each
-    # block's parameters for every forward, backward and recomputed forward of every micro-batch.
+    # data parallel, as DeepSpeed runs it (its calls counted by zoo.parallel.comm_count, tests/parallel): ZeRO-0
+    # all-reduces the accumulated gradients once per step; ZeRO-1 too, then all-gathers the updated parameters
+    # (DeepSpeed reduces with an all-reduce, not a reduce-scatter); ZeRO-2 all-reduces every micro-batch's
+    # gradients, then all-gathers; ZeRO-3 reduce-scatters every micro-batch's gradients and all-gathers each
+    # block's parameters for every forward, backward and recomputed forward.
     fullest = max(st, key=lambda x: x.dense + x.expert)
     gbytes = 4 if a == 4 else a
     dp_inter = _inter(lay.tp * lay.dp, gpu)
@@ -457,12 +458,13 @@ def estimate(job: Job, lay: Layout, gpu: GPU, cache: dict | None = None) -> Esti
     for n, ranks in ((fullest.dense, parts), (fullest.expert, expert_parts)):
         if ranks <= 1 or n == 0:
             continue
-        if lay.zero <= 1:
-            dp_time += _collective_time(n * gbytes, ranks, "all_reduce", gpu, dp_inter)
-        else:
+        if lay.zero == 3:
             dp_time += m * _collective_time(n * gbytes, ranks, "reduce_scatter", gpu, dp_inter)
-            gathers = 1 if lay.zero == 2 else m * (2 + rc)
-            dp_time += gathers * _collective_time(n * a, ranks, "all_gather", gpu, dp_inter)
+            dp_time += m * (2 + rc) * _collective_time(n * a, ranks, "all_gather", gpu, dp_inter)
+            continue
+        dp_time += (m if lay.zero == 2 else 1) * _collective_time(n * gbytes, ranks, "all_reduce", gpu, dp_inter)
+        if lay.zero in (1, 2):
+            dp_time += _collective_time(n * a, ranks, "all_gather", gpu, dp_inter)
     # ZeRO-3 prefetches parameters and reduces gradients while the step computes (DeepSpeed's overlap_comm); the
     # other stages reduce outside the backward (zoo leaves overlap_comm off; the pipeline engine after its flush)
     dp_exposed = max(0.0, dp_time - pipeline) if lay.zero == 3 else dp_time

@@ -364,6 +364,7 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
     from deepspeed.accelerator import get_accelerator
 
     from zoo.training import checkpoint as ckpt
+    from zoo.parallel.comm_count import CommCounter
     from zoo.training.metrics import device_name, peak_memory_gb, peak_tflops, resident_memory_gb
     from zoo.training.moe import MoETraining
     from zoo.training.nonfinite import NonFiniteSteps
@@ -440,7 +441,8 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
         run_eval(0)
     step = start
     with ExitRequest() as exit_request, collectives_guarded(grid, lambda: step + 1, tr.collective_timeout_minutes), \
-            bar if bar is not None else contextlib.nullcontext():  # lines printed go above it; closed on an error too
+            bar if bar is not None else contextlib.nullcontext(), \
+            CommCounter(grid) as comm:  # bar: lines printed go above it; closed on an error too
         for step in range(start, tr.steps):
             t0 = time.perf_counter()
             lr = engine.get_lr()[0]  # the rate this step uses
@@ -461,6 +463,7 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
                     loss /= grid.dp
             loss = float(loss)
             dt = time.perf_counter() - t0
+            comm_bytes, comm_calls = comm.take()
             losses.append(loss)
             grad_norm = engine.get_global_grad_norm()
             tflops = None if flops_per_step is None else flops_per_step / dt / grid.world_size / 1e12
@@ -470,6 +473,7 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
                       f"{family.unit}_per_s": rate, "tflops_per_device": tflops,
                       "mfu": None if peak is None or tflops is None else tflops / peak,
                       "peak_memory_gb": peak_memory_gb(), "rss_gb": resident_memory_gb(), "step_time_s": dt,
+                      "comm_bytes": comm_bytes, "comm_calls": comm_calls,
                       **reduced_stats(loss_fn, family),
                       **(moe.after_step() if moe is not None else {}),
                       **nonfinite.after_step(step + 1, loss, out / ckpt.CHECKPOINTS)}
