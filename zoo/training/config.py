@@ -77,6 +77,7 @@ class TrainingSection:
     max_skipped_steps: int = 3  # stop after this many non-finite steps in a row (each is skipped on every rank)
     collective_timeout_minutes: float = 10.0  # a collective waiting longer fails (a rank died or hangs), as Megatron's
     precision: str = "fp32"  # "fp32" | "bf16" | "fp16"
+    compile: bool = False  # torch.compile each block (GPT/BERT block, U-Net unit); the rest stays eager
     log_interval: int = 1
     eval_interval: int = 0  # evaluate on the validation split every N steps (and before step 1, and at the end); 0: never
     eval_iters: int = 4  # global batches per evaluation (always the same held-out samples)

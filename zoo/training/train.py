@@ -76,6 +76,18 @@ def prepare_init(cfg: RunConfig, grid) -> Path | None:
     return folder
 
 
+def compile_blocks(module: torch.nn.Module, names) -> int:
+    """``torch.compile`` every block whose class is named in ``names`` (the family's checkpointable layers), in
+    place (``nn.Module.compile``: parameter names, state dicts and checkpoints are unchanged). Embeddings, heads
+    and the loss stay eager: they hold the vocab-parallel collectives. Blocks of equal shapes share one compiled
+    graph; DeepSpeed's hooks (ZeRO-3 gathers, activation checkpointing) stay outside it."""
+    names = set(names)
+    blocks = [m for m in module.modules() if type(m).__name__ in names]
+    for block in blocks:
+        block.compile()
+    return len(blocks)
+
+
 def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False, init_dir: Path | None = None):
     import deepspeed
 
@@ -104,6 +116,8 @@ def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False, init_
         module = SpecSequential(specs, base_seed=tr.seed, activation_checkpointing=par.activation_checkpointing,
                                 checkpointable_layers=family.checkpointable_layers)
         mpu = grid
+    if tr.compile:
+        compile_blocks(module, family.checkpointable_layers)
     if init_dir is not None:  # this rank's slices of this stage's tensors, before DeepSpeed takes the module
         from zoo.convert.io import load_model
 
@@ -534,6 +548,7 @@ def config_from_args(args) -> RunConfig:
     overrides = list(args.set)
     for flag, key in (("tp", "parallel.tp"), ("pp", "parallel.pp"), ("ep", "parallel.ep"), ("cp", "parallel.cp"),
                       ("cp_algorithm", "parallel.cp_algorithm"), ("zero", "parallel.zero_stage"),
+                      ("compile", "training.compile"),
                       ("steps", "training.steps"), ("eval_interval", "training.eval_interval"),
                       ("save_interval", "training.save_interval"), ("init", "training.init_from"), ("out", "out")):
         value = getattr(args, flag)
