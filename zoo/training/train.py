@@ -366,6 +366,7 @@ class RunResult:
     val_losses: list  # (step, val_loss) of each evaluation
     start_step: int
     engine: object = None
+    memory: dict | None = None  # the first step's measured bytes, lists by rank (zoo.training.memory)
 
 
 def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal: bool = False,
@@ -373,12 +374,15 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
     """Run from step 0 (or the checkpoint ``resume``) to ``cfg.training.steps``.
 
     Returns the per-step losses (on every rank), or a ``RunResult`` with the engine still alive when
-    ``keep_engine`` (the caller exports the model and calls ``destroy_engine(engine)``).
+    ``keep_engine`` (the caller exports the model and calls ``destroy_engine(engine)``). The first step run here is
+    measured (``zoo.training.memory``): its record in metrics.jsonl holds ``memory_bytes``, ``RunResult.memory``
+    the same, and global rank 0 logs a summary line at the end.
     """
     from deepspeed.accelerator import get_accelerator
 
     from zoo.training import checkpoint as ckpt
     from zoo.parallel.comm_count import CommCounter
+    from zoo.training import memory as mem
     from zoo.training.metrics import device_name, peak_memory_gb, peak_tflops, resident_memory_gb
     from zoo.training.moe import MoETraining
     from zoo.training.nonfinite import NonFiniteSteps
@@ -445,6 +449,7 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
     flops_per_step = None if flops_per_sample is None else cfg.global_batch_size * flops_per_sample
     peak = peak_tflops(device_name(), tr.precision)
     losses, t_start = [], time.perf_counter()
+    first_step, memory_bytes = mem.FirstStep(engine), None
     bar = None
     if progress and grid.rank == 0 and start < tr.steps:
         from zoo.progress import progress_bar
@@ -462,21 +467,24 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
             lr = engine.get_lr()[0]  # the rate this step uses
             if moe is not None:
                 moe.before_step(engine, tr.precision)
-            if grid.pp > 1:
-                loss = engine.train_batch(data_iter=batches(step))
-            else:
-                total = torch.zeros((), device=device)
-                for ids, labels in batches(step):
-                    micro_loss = loss_fn(engine(ids), labels)
-                    engine.backward(micro_loss)
-                    engine.step()
-                    total += micro_loss.detach().float()
-                loss = total / gas
-                if grid.dp > 1:
-                    dist.all_reduce(loss, group=grid.dp_group)
-                    loss /= grid.dp
+            with first_step.measuring() if step == start else contextlib.nullcontext():
+                if grid.pp > 1:
+                    loss = engine.train_batch(data_iter=batches(step))
+                else:
+                    total = torch.zeros((), device=device)
+                    for ids, labels in batches(step):
+                        micro_loss = loss_fn(engine(ids), labels)
+                        engine.backward(micro_loss)
+                        engine.step()
+                        total += micro_loss.detach().float()
+                    loss = total / gas
+                    if grid.dp > 1:
+                        dist.all_reduce(loss, group=grid.dp_group)
+                        loss /= grid.dp
             loss = float(loss)
             dt = time.perf_counter() - t0
+            if step == start:
+                memory_bytes = first_step.gather()
             comm_bytes, comm_calls = comm.take()
             losses.append(loss)
             grad_norm = engine.get_global_grad_norm()
@@ -490,7 +498,8 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
                       "comm_bytes": comm_bytes, "comm_calls": comm_calls,
                       **reduced_stats(loss_fn, family),
                       **(moe.after_step() if moe is not None else {}),
-                      **nonfinite.after_step(step + 1, loss, out / ckpt.CHECKPOINTS)}
+                      **nonfinite.after_step(step + 1, loss, out / ckpt.CHECKPOINTS),
+                      **({"memory_bytes": memory_bytes} if step == start else {})}
             metrics.write(record)
             if record["skipped"] and grid.rank == 0:
                 log(f"step {step + 1}: loss {loss:.4g}, gradients not finite on some rank: skipped on every rank "
@@ -520,11 +529,13 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
                 break
     if bar is not None:
         bar.close()
+    if grid.rank == 0 and memory_bytes is not None:
+        log(mem.summary(memory_bytes))
     metrics.close()
     if grid.rank == 0 and metrics.records:
         plot_losses(metrics.records, out / "loss.png")
     if keep_engine:
-        return RunResult(losses, val_losses, start, engine)
+        return RunResult(losses, val_losses, start, engine, memory_bytes)
     destroy_engine(engine)  # frees DeepSpeed's hooks and buffers; tests train many engines in one process
     return losses
 
