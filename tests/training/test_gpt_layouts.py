@@ -159,3 +159,20 @@ def test_communication_equals_the_closed_form(dist_run, layout):
             # stage3_param_persistence_threshold (1e5 elements), so they are gathered once, after the step
             assert nbytes["dp/reduce_scatter"] == m * grads and nbytes["dp/all_gather"] == grads
     assert all(not key.startswith(("ranks", "world", "p2p")) or nbytes[key] <= 16 for key in nbytes), nbytes
+
+
+# torch.compile (training.compile): every block compiled, the losses of the eager runs above, and no graph made
+# after the first step (metrics.jsonl's compiled_graphs stays flat, so nothing recompiles). Inductor's C++ kernels
+# take a cold machine ~20 s per block shape, so the layouts beyond one process capture with aot_eager: what a
+# layout can break (DeepSpeed's hooks around the compiled forward, SP's collectives, the pipeline's calls,
+# recompilation) is in the capture; the kernels are the same for a block of the same shapes.
+@pytest.mark.parametrize("layout,backend", [("single", "inductor"), ("tp2-sp", "aot_eager"), ("pp2", "aot_eager"),
+                                            ("dp2-zero3", "aot_eager")])
+def test_compiled_blocks_train_like_eager(dist_run, layout, backend):
+    expected = reference(dist_run, "gpt2")
+    losses, records = layout_run(dist_run, "gpt2", layout, ["training.compile=true",
+                                                            f"training.compile_backend={backend}"])
+    for rank_losses in losses:
+        torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(expected), rtol=1e-5, atol=0)
+    graphs = [r["compiled_graphs"] for r in records if "compiled_graphs" in r]
+    assert len(graphs) == STEPS and graphs[0] > 0 and len(set(graphs)) == 1, graphs

@@ -93,7 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
     p.add_argument("--seed", type=int, default=1234, help="seed of the weights and of the token batch")
     p.add_argument("--no-memory", action="store_true", help="skip the extra step that measures peak memory")
-    p.add_argument("--json", metavar="FILE", help="also write the results to FILE as JSON")
+    p.add_argument("--no-compile", action="store_true",
+                   help="eager models only (default: also both models with torch.compile on every block)")
+    p.add_argument("--no-roofline", action="store_true",
+                   help="skip measuring the rate of every GEMM shape the step runs (fraction_of_matmul)")
+    p.add_argument("--json", nargs="?", const="-", metavar="FILE",
+                   help="end the output with one JSON line of tokens/s per style and model (zoo_eager, "
+                        "zoo_compiled, hf_eager, hf_compiled, fraction_of_matmul); with FILE also write the whole "
+                        "report there")
     return p
 
 
@@ -307,6 +314,95 @@ def hf_num_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # parameters() counts a tied weight once
 
 
+def compiled(trainee: Trainee) -> Trainee:
+    """The same trainee with every block compiled in place (``nn.Module.compile``, as ``training.compile``
+    does for zoo): zoo's GPTBlock, transformers' GPT2Block / LlamaDecoderLayer / MixtralDecoderLayer. Embeddings,
+    heads and losses stay eager on both sides, so the comparison is block for block."""
+    names = ("GPTBlock", "GPT2Block", "LlamaDecoderLayer", "MixtralDecoderLayer")
+    blocks = [m for m in trainee.model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(f"{trainee.impl}: no block to compile")
+    for block in blocks:
+        block.compile()
+    trainee.impl += "-compiled"
+    return trainee
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The roofline: what the step's GEMMs alone would take at the rates this device sustains for their shapes
+# ---------------------------------------------------------------------------------------------------------------
+
+def gemm_shapes(trainee: Trainee, ids, labels) -> dict:
+    """``{(batch, m, n, k, a transposed, b transposed, dtype): calls}`` of every matrix product one training
+    step runs (aten mm / addmm / bmm / baddbmm, forward and backward), recorded by a dispatch mode around one
+    extra, untimed eager step."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    two_d = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2)}
+    three_d = {aten.bmm.default: (0, 1), aten.baddbmm.default: (1, 2)}
+    shapes: Counter = Counter()
+
+    def transposed(t: torch.Tensor) -> bool:
+        return t.dim() >= 2 and t.stride(-2) == 1 and t.stride(-1) != 1
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            where = two_d.get(func) or three_d.get(func)
+            if where is not None:
+                a, b = args[where[0]], args[where[1]]
+                batch = a.shape[0] if func in three_d else 1
+                shapes[(batch, a.shape[-2], b.shape[-1], a.shape[-1], transposed(a), transposed(b),
+                        str(a.dtype))] += 1
+            return func(*args, **(kwargs or {}))
+
+    trainee.optimizer.zero_grad(set_to_none=True)
+    with Record():
+        trainee.train_step(ids, labels)
+    trainee.optimizer.zero_grad(set_to_none=True)
+    return dict(shapes)
+
+
+def _operand(rows: int, cols: int, transposed: bool, batch: int, dtype, device) -> torch.Tensor:
+    shape = (cols, rows) if transposed else (rows, cols)
+    t = torch.randn((batch, *shape) if batch > 1 else shape, dtype=dtype, device=device)
+    return t.transpose(-1, -2) if transposed else t
+
+
+def gemm_seconds(shape: tuple, device, accel, reps: int = 5) -> float:
+    """Median seconds of one product of this shape and layout here (``torch.mm`` / ``torch.bmm``)."""
+    batch, m, n, k, ta, tb, dtype = shape
+    dtype = getattr(torch, dtype.removeprefix("torch."))
+    a, b = _operand(m, k, ta, batch, dtype, device), _operand(k, n, tb, batch, dtype, device)
+    mm = torch.bmm if batch > 1 else torch.mm
+    for _ in range(2):
+        mm(a, b)
+    times = []
+    for _ in range(reps):
+        accel.synchronize()
+        start = time.perf_counter()
+        mm(a, b)
+        accel.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def roofline(shapes: dict, device, accel) -> tuple[float, float]:
+    """``(seconds the step's GEMMs take at their measured rates, their FLOPs)``."""
+    seconds = sum(calls * gemm_seconds(shape, device, accel) for shape, calls in shapes.items())
+    flops = sum(calls * 2 * b * m * n * k for (b, m, n, k, *_), calls in shapes.items())
+    return seconds, flops
+
+
+def square_gemm_flops(device, accel, dtype, size: int | None = None) -> float:
+    """FLOP/s of a plain square GEMM of this dtype (1024 on a CPU, 8192 on an accelerator)."""
+    size = size or (1024 if accel.device_name() == "cpu" else 8192)
+    seconds = gemm_seconds((1, size, size, size, False, False, str(dtype)), device, accel, reps=7)
+    return 2 * size**3 / seconds
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Measurement
 # ---------------------------------------------------------------------------------------------------------------
@@ -390,11 +486,22 @@ class StyleReport:
     zoo_params_allocated: int  # zoo's tensors, padded vocabulary included
     hf_params: int
     results: list = field(default_factory=list)
+    roofline: dict | None = None  # the step's GEMMs at this device's measured rates (gemm_shapes, roofline)
 
     @property
     def ratio(self) -> float:
         zoo, hf = (next(r for r in self.results if r.impl == impl) for impl in ("zoo", "transformers"))
         return zoo.tokens_per_s / hf.tokens_per_s
+
+    def tokens_per_s(self, impl: str) -> float | None:
+        return next((r.tokens_per_s for r in self.results if r.impl == impl), None)
+
+    def summary(self) -> dict:
+        """The ``--json`` line's entry of this style."""
+        return {"zoo_eager": self.tokens_per_s("zoo"), "zoo_compiled": self.tokens_per_s("zoo-compiled"),
+                "hf_eager": self.tokens_per_s("transformers"),
+                "hf_compiled": self.tokens_per_s("transformers-compiled"),
+                "fraction_of_matmul": None if self.roofline is None else self.roofline["fraction_of_matmul"]}
 
 
 def batch_shape(args, cfg) -> tuple[int, int]:
@@ -434,6 +541,11 @@ def benchmark_style(style: str, args, accel, device, dtype, log) -> StyleReport:
     trainees = [zoo, hf]
     if style == "moe" and hasattr(torch.nn.functional, "grouped_mm"):  # transformers' fused-experts path
         trainees.append(build_hf(cfg, device, dtype, args.seed, args.lr, experts_implementation="grouped_mm"))
+    shapes = None if args.no_roofline else gemm_shapes(zoo, ids, labels)
+    if not args.no_compile:
+        trainees += [compiled(build_zoo(cfg, device, dtype, args.seed, args.lr)),
+                     compiled(build_hf(cfg, device, dtype, args.seed, args.lr))]
+        log(f"{style}: compiling the blocks of both models (the first warm-up steps)")
     run_interleaved(trainees, ids, labels, accel, args.warmup, args.steps)
     memory = {t.impl: None if args.no_memory else step_peak_memory_gb(t, ids, labels, accel) for t in trainees}
 
@@ -449,6 +561,13 @@ def benchmark_style(style: str, args, accel, device, dtype, log) -> StyleReport:
             style, t.impl, report.hf_params if t.impl.startswith("transformers") else report.zoo_params, b * s, median,
             statistics.median(t.cpu_times), tok_s, tflops, None if peak is None else tflops / peak, memory[t.impl],
             t.losses[0], t.losses[-1], list(t.step_times)))
+    if shapes is not None:
+        gemm_s, gemm_flops = roofline(shapes, device, accel)
+        fastest_zoo = min((r for r in report.results if r.impl.startswith("zoo")), key=lambda r: r.step_time_s)
+        report.roofline = {"of": fastest_zoo.impl, "gemm_seconds": gemm_s, "gemm_flops": gemm_flops,
+                           "gemm_shapes": len(shapes), "fraction_of_matmul": gemm_s / fastest_zoo.step_time_s,
+                           "step_flops_per_s": flops_per_token * b * s / fastest_zoo.step_time_s,
+                           "square_gemm_flops_per_s": square_gemm_flops(device, accel, dtype)}
     return report
 
 
@@ -477,9 +596,23 @@ def format_table(results: list[Result]) -> str:
 def summary_line(report: StyleReport) -> str:
     zoo, hf = (next(r for r in report.results if r.impl == impl) for impl in ("zoo", "transformers"))
     extra = "".join(f", {r.impl} {r.tokens_per_s:.0f} tok/s (ratio {zoo.tokens_per_s / r.tokens_per_s:.2f})"
-                    for r in report.results if r.impl.startswith("transformers-"))
-    return (f"{report.style}: zoo {zoo.tokens_per_s:.0f} tok/s, transformers {hf.tokens_per_s:.0f} tok/s, "
+                    for r in report.results if r.impl.startswith("transformers-") and not r.impl.endswith("-compiled"))
+    line = (f"{report.style}: zoo {zoo.tokens_per_s:.0f} tok/s, transformers {hf.tokens_per_s:.0f} tok/s, "
             f"ratio {report.ratio:.2f}{extra}")
+    zc, hc = report.tokens_per_s("zoo-compiled"), report.tokens_per_s("transformers-compiled")
+    if zc is not None and hc is not None:
+        line += (f"\n{report.style} compiled: zoo {zc:.0f} tok/s, transformers {hc:.0f} tok/s, ratio {zc / hc:.2f}; "
+                 f"zoo compiled / transformers eager {zc / hf.tokens_per_s:.2f}, zoo compiled / eager "
+                 f"{zc / zoo.tokens_per_s:.2f}")
+    roof = report.roofline
+    if roof is not None:
+        line += (f"\n{report.style} roofline ({roof['of']}): its {roof['gemm_shapes']} GEMM shapes at this device's "
+                 f"measured rates take {roof['gemm_seconds'] * 1e3:.1f} ms of the step's "
+                 f"{roof['gemm_seconds'] / roof['fraction_of_matmul'] * 1e3:.1f} ms: fraction_of_matmul "
+                 f"{roof['fraction_of_matmul']:.2f}; the step runs {roof['step_flops_per_s'] / 1e9:.1f} GFLOP/s, a "
+                 f"square GEMM {roof['square_gemm_flops_per_s'] / 1e9:.1f} GFLOP/s "
+                 f"({roof['step_flops_per_s'] / roof['square_gemm_flops_per_s']:.0%})")
+    return line
 
 
 def main(argv=None) -> int:
@@ -552,7 +685,7 @@ def main(argv=None) -> int:
             "waiting for it; 'cpu ms' (this process's CPU time per step) compares the work done more steadily")
     for rep in reports:
         log(summary_line(rep))
-    if args.json:
+    if args.json and args.json != "-":
         out = {
             "device": accel.current_device_name(),
             "dtype": args.dtype,
@@ -562,9 +695,12 @@ def main(argv=None) -> int:
             "load_average": load,
             "styles": [{"style": rep.style, "config": rep.config, "zoo_params": rep.zoo_params,
                         "zoo_params_allocated": rep.zoo_params_allocated, "transformers_params": rep.hf_params,
-                        "ratio": rep.ratio, "results": [asdict(r) for r in rep.results]} for rep in reports],
+                        "ratio": rep.ratio, "roofline": rep.roofline,
+                        "results": [asdict(r) for r in rep.results]} for rep in reports],
         }
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
         log(f"results written to {args.json}")
+    if args.json:
+        log(json.dumps({rep.style: rep.summary() for rep in reports}))
     return 0

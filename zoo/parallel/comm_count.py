@@ -43,12 +43,13 @@ _WRAPPED = {
     "all_to_all_single": ("all_to_all", 1, "input"),
     "all_to_all": ("all_to_all", 1, "input_tensor_list"),
     "send": ("send", 0, "tensor"),
-    "isend": ("send", 0, "tensor"),
     "recv": ("recv", 0, "tensor"),
-    "irecv": ("recv", 0, "tensor"),
+    "batch_isend_irecv": ("p2p", 0, "p2p_op_list"),
     "barrier": ("barrier", None, None),
 }
-_PEER = {"send": (1, "dst"), "isend": (1, "dst"), "recv": (1, "src"), "irecv": (1, "src")}
+_PEER = {"send": (1, "dst"), "recv": (1, "src")}
+# isend / irecv stay unwrapped: P2POp checks that its op *is* one of them (ring attention's batch_isend_irecv);
+# the batch is counted message by message instead.
 
 
 def _nbytes(x) -> int:
@@ -104,13 +105,22 @@ class CommCounter:
                                                              else "ranks" + "_".join(map(str, ranks)))
         return self._by_ranks[ranks]
 
-    def _peer_name(self, peer) -> str:
-        if self.grid is not None and peer in self.grid.pp_ranks:
+    def _peer_name(self, peer, group=None) -> str:
+        """A message's group: the one it was sent in, else the pipeline's when the peer (a global rank) is in it."""
+        if group is not None:
+            return self.name_of(group)
+        if self.grid is not None and self.grid.pp > 1 and peer in self.grid.pp_ranks:
             return "pp"
         return "p2p"
 
     def record(self, fn_name: str, args, kwargs) -> None:
         kind, position, keyword = _WRAPPED[fn_name]
+        if fn_name == "batch_isend_irecv":
+            for op in _arg(args, kwargs, position, keyword) or []:
+                key = f"{self._peer_name(op.peer, op.group)}/{'send' if op.op is dist.isend else 'recv'}"
+                self.bytes[key] += _nbytes(op.tensor)
+                self.calls[key] += 1
+            return
         if fn_name in _PEER:
             where = self._peer_name(_arg(args, kwargs, *_PEER[fn_name]))
         else:

@@ -76,16 +76,24 @@ def prepare_init(cfg: RunConfig, grid) -> Path | None:
     return folder
 
 
-def compile_blocks(module: torch.nn.Module, names) -> int:
-    """``torch.compile`` every block whose class is named in ``names`` (the family's checkpointable layers), in
-    place (``nn.Module.compile``: parameter names, state dicts and checkpoints are unchanged). Embeddings, heads
-    and the loss stay eager: they hold the vocab-parallel collectives. Blocks of equal shapes share one compiled
-    graph; DeepSpeed's hooks (ZeRO-3 gathers, activation checkpointing) stay outside it."""
+def compile_blocks(module: torch.nn.Module, names, backend: str = "inductor") -> int:
+    """``torch.compile`` the ``forward`` of every block whose class is named in ``names`` (the family's
+    checkpointable layers), in place: parameter names, state dicts and checkpoints are unchanged, and the hooks
+    DeepSpeed puts on the module (ZeRO-3's parameter gathers) stay outside the graph. Embeddings, heads and the
+    loss stay eager (they hold the vocab-parallel collectives). Blocks of equal shapes share one graph
+    (``compiled_graphs`` in metrics.jsonl counts them: it stays flat after the first step)."""
     names = set(names)
     blocks = [m for m in module.modules() if type(m).__name__ in names]
     for block in blocks:
-        block.compile()
+        block.forward = torch.compile(block.forward, backend=backend)
     return len(blocks)
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process so far."""
+    import torch._dynamo.utils
+
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False, init_dir: Path | None = None):
@@ -117,7 +125,7 @@ def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False, init_
                                 checkpointable_layers=family.checkpointable_layers)
         mpu = grid
     if tr.compile:
-        compile_blocks(module, family.checkpointable_layers)
+        compile_blocks(module, family.checkpointable_layers, tr.compile_backend)
     if init_dir is not None:  # this rank's slices of this stage's tensors, before DeepSpeed takes the module
         from zoo.convert.io import load_model
 
@@ -496,6 +504,7 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
                       "mfu": None if peak is None or tflops is None else tflops / peak,
                       "peak_memory_gb": peak_memory_gb(), "rss_gb": resident_memory_gb(), "step_time_s": dt,
                       "comm_bytes": comm_bytes, "comm_calls": comm_calls,
+                      **({"compiled_graphs": compiled_graphs()} if tr.compile else {}),
                       **reduced_stats(loss_fn, family),
                       **(moe.after_step() if moe is not None else {}),
                       **nonfinite.after_step(step + 1, loss, out / ckpt.CHECKPOINTS),
