@@ -77,3 +77,33 @@ def test_benchmark_tiny_moe_against_mixtral(tmp_path, capsys):
     impls = {r["impl"] for r in style["results"]}
     assert impls == {"zoo", "transformers"} | ({"transformers-grouped_mm"} if grouped else set())
     assert all(r["tokens_per_s"] > 0 for r in style["results"])
+
+
+def tp_benchmark(out):
+    import contextlib
+    import io
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        rc = main(["--style", "gpt2", "--hidden-size", "32", "--layers", "1", "--heads", "2", "--seq-length", "16",
+                   "--batch-size", "2", "--vocab-size", "256", "--steps", "2", "--warmup", "1", "--tp", "2",
+                   "--no-compile", "--no-memory", "--json"])
+    return rc, text.getvalue()
+
+
+def test_benchmark_tp2_counts_megatrons_collectives(dist_run, tmp_path):
+    """--tp 2: per step 4 all-reduces of [b, s, h] per block and 2 more (embedding, LM head), and the cross
+    entropy's 3 rows of b*s fp32 numbers: nothing else."""
+    (rc, out), _ = dist_run(2, tp_benchmark, str(tmp_path))
+    assert rc == 0, out
+    row = json.loads(out.strip().splitlines()[-1])["results"][0]
+    b, s, h, layers = 2, 16, 32, 1
+    assert row["tp"] == 2 and row["tokens_per_s"] > 0
+    assert row["comm_bytes"] == {"tp/all_reduce": (4 * layers + 2) * b * s * h * 4 + 3 * b * s * 4}
+    assert row["comm_calls"] == {"tp/all_reduce": 4 * layers + 2 + 3}
+
+
+def test_gpu_suite_needs_a_gpu(capsys):
+    assert main(["--gpu-suite"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --gpu-suite needs a GPU") and len(err.splitlines()) == 1

@@ -97,6 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eager models only (default: also both models with torch.compile on every block)")
     p.add_argument("--no-roofline", action="store_true",
                    help="skip measuring the rate of every GEMM shape the step runs (fraction_of_matmul)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size, under torchrun with that many processes: zoo only (eager and "
+                        "compiled), with the bytes each collective moves per step")
+    p.add_argument("--gpu-suite", action="store_true",
+                   help="the whole GPU set in one command: gpt2-124m and llama-1b in bf16 (eager and compiled, "
+                        "against transformers) and, with 2 GPUs, gpt2-124m at --tp 2 under torchrun; results in "
+                        "--out (default runs/bench-gpu)")
+    p.add_argument("--out", default="runs/bench-gpu", help="--gpu-suite: where the JSON reports go")
     p.add_argument("--json", nargs="?", const="-", metavar="FILE",
                    help="end the output with one JSON line of tokens/s per style and model (zoo_eager, "
                         "zoo_compiled, hf_eager, hf_compiled, fraction_of_matmul); with FILE also write the whole "
@@ -571,6 +579,76 @@ def benchmark_style(style: str, args, accel, device, dtype, log) -> StyleReport:
     return report
 
 
+def benchmark_tp(style: str, args, accel, device, dtype, grid, log) -> list[dict]:
+    """zoo alone at tp = the world (transformers has no tensor parallelism): eager and compiled, each step's
+    collectives counted (``zoo.parallel.comm_count``). Every rank runs the same batch; rank 0 reports."""
+    from zoo.parallel.comm_count import CommCounter
+    from zoo.training.metrics import device_name, peak_tflops, training_flops_per_token
+
+    cfg = zoo_config(style, args)
+    b, s = batch_shape(args, cfg)
+    g = torch.Generator().manual_seed(args.seed)
+    tokens = torch.randint(0, cfg.vocab_size, (b, s + 1), generator=g).to(device)
+    ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    trainees = [build_zoo(cfg, device, dtype, args.seed, args.lr)]
+    if not args.no_compile:
+        trainees.append(compiled(build_zoo(cfg, device, dtype, args.seed, args.lr)))
+    run_interleaved(trainees, ids, labels, accel, args.warmup, args.steps)
+    peak = peak_tflops(device_name(), args.dtype)
+    rows = []
+    for t in trainees:
+        with CommCounter(grid) as comm:
+            t.timed_step(ids, labels, accel, record=False)
+            nbytes, calls = comm.take()
+        median = statistics.median(t.step_times)
+        tflops = training_flops_per_token(cfg, s) * b * s / median / grid.world_size / 1e12
+        memory = None if args.no_memory else step_peak_memory_gb(t, ids, labels, accel)
+        rows.append({"style": style, "impl": t.impl, "tp": grid.tp, "tokens_per_s": b * s / median,
+                     "step_time_s": median, "tflops_per_device": tflops,
+                     "mfu": None if peak is None else tflops / peak, "peak_memory_gb": memory,
+                     "comm_bytes": nbytes, "comm_calls": calls})
+        log(f"{style} tp={grid.tp} {t.impl}: {b * s / median:.0f} tok/s, {tflops:.3g} TFLOP/s per device"
+            + ("" if peak is None else f", MFU {tflops / peak:.1%}")
+            + ("" if memory is None else f", peak {memory:.2f} GB")
+            + f", per step {', '.join(f'{k} {v / 2**20:.1f} MiB' for k, v in nbytes.items())}")
+    return rows
+
+
+GPU_SUITE = [  # (name, argument list): about 2-3 minutes each on one H200
+    ("gpt2-124m", ["--preset", "gpt2-124m", "--dtype", "bf16"]),
+    ("llama-1b", ["--preset", "llama-1b", "--dtype", "bf16", "--batch-size", "4", "--seq-length", "2048"]),
+]
+
+
+def gpu_suite(args, accel) -> int:
+    """Every GPU benchmark in its own process (a fresh allocator and compile cache each), then one summary."""
+    import subprocess
+
+    if accel.device_name() == "cpu":
+        print("error: --gpu-suite needs a GPU and deepspeed.accelerator finds only the CPU here; run it on a GPU "
+              "machine (python launch/benchmark.py --gpu-suite)", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    script = str(Path(__file__).resolve().parents[2] / "launch" / "benchmark.py")
+    runs = [(name, [sys.executable, script, *extra, "--json", str(out / f"{name}.json")]) for name, extra in GPU_SUITE]
+    if accel.device_count() >= 2:
+        runs.append(("gpt2-124m-tp2", [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script,
+                                       "--preset", "gpt2-124m", "--dtype", "bf16", "--tp", "2", "--json",
+                                       str(out / "gpt2-124m-tp2.json")]))
+    else:
+        print("note: one GPU here: the --tp 2 run needs two and is skipped", flush=True)
+    failed = []
+    for name, cmd in runs:
+        print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
+        start = time.perf_counter()
+        if subprocess.run(cmd).returncode != 0:
+            failed.append(name)
+        print(f"== {name}: {time.perf_counter() - start:.0f} s", flush=True)
+    print(f"reports in {out}" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Output
 # ---------------------------------------------------------------------------------------------------------------
@@ -615,6 +693,33 @@ def summary_line(report: StyleReport) -> str:
     return line
 
 
+def main_tp(args, styles, accel, device, dtype, threads, threads_before, log) -> int:
+    from zoo.parallel.topology import destroy_model_parallel, initialize_model_parallel
+
+    rows = []
+    try:
+        grid = initialize_model_parallel(args.tp, 1)
+        say = log if grid.rank == 0 else (lambda line: None)
+        say(f"device {accel.current_device_name()} x {grid.world_size}, tp={grid.tp}, {args.dtype}, "
+            f"{args.warmup} warm-up + {args.steps} timed steps (median)")
+        for style in styles:
+            rows += benchmark_tp(style, args, accel, device, dtype, grid, say)
+        if grid.rank == 0 and args.json:
+            text = json.dumps({"tp": grid.tp, "device": accel.current_device_name(), "dtype": args.dtype,
+                               "results": rows})
+            if args.json != "-":
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.json).write_text(text + "\n")
+            log(text)
+    except (ValueError, FloatingPointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        torch.set_num_threads(threads_before)
+        destroy_model_parallel()
+    return 0
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     for name in ("steps", "warmup", "threads", "hidden_size", "layers", "heads", "kv_heads", "intermediate_size",
@@ -646,6 +751,13 @@ def main(argv=None) -> int:
         styles = ["gpt2", "llama"] if args.style in (None, "both") else [args.style]
 
     accel = get_accelerator()
+    if args.gpu_suite:
+        return gpu_suite(args, accel)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tp < 1 or args.tp != world:
+        print(f"error: --tp {args.tp} runs under a launcher with that many processes (here {world}): torchrun "
+              f"--nproc_per_node {max(args.tp, 1)} launch/benchmark.py ... --tp {max(args.tp, 1)}", file=sys.stderr)
+        return 2
     device = torch.device(accel.current_device_name())
     dtype = DTYPES[args.dtype]
     if accel.device_name() == "cpu" and dtype != torch.float32:
@@ -657,6 +769,8 @@ def main(argv=None) -> int:
     started_dist = not (dist.is_available() and dist.is_initialized())
     log = lambda s: print(s, flush=True)  # noqa: E731
     reports: list[StyleReport] = []
+    if args.tp > 1:
+        return main_tp(args, styles, accel, device, dtype, threads, threads_before, log)
     try:
         initialize_model_parallel(1, 1)  # a world of one: zoo's layers take their single-rank path
         log(f"device {accel.current_device_name()} ({threads} CPU threads), {args.dtype}, AdamW lr {args.lr}, "
