@@ -156,7 +156,8 @@ def test_json_only_and_write_config(tmp_path, capsys):
 @pytest.mark.parametrize("args,message", [
     (["--gpu", "a100-81g", "--gpus", "8", "--global-batch", "8"], "unknown GPU 'a100-81g'"),
     (["--model", "llama-7b", "--gpu", "a100-40g", "--gpus", "1", "--global-batch", "8"], "no layout of 1 x a100-40g"),
-    (["--model", "gpt2-124m", "--gpus", "8", "--global-batch", "12", "--only", "tp=1,pp=1"], "--only tp=1,pp=1"),
+    (["--model", "gpt2-124m", "--gpus", "8", "--global-batch", "12", "--only", "tp=1,pp=1,cp=1"],
+     "--only tp=1,pp=1,cp=1"),
     (["--model", "tiny", "--gpus", "64", "--global-batch", "6"], "global batch 6 is not divisible"),
     (["--model", "nope", "--gpus", "8", "--global-batch", "8"], "neither a zoo GPT preset"),
     (["--gpus", "8", "--global-batch", "8", "--only", "tp=two"], "tp must be an integer"),
@@ -194,3 +195,44 @@ def test_table_and_why_not(capsys):
     assert [line.split()[0] for line in lines[3:6]] == ["1", "2", "3"]
     assert "layouts do not fit" in lines[7] and int(lines[7].split()[0]) > 0
     assert len(lines) == 11 and all("needs" in line and "> 40.0 GiB" in line for line in lines[8:11])
+
+
+def test_cluster_yaml(tmp_path, capsys):
+    """A cluster file overrides a known GPU's fields; more memory per GPU fits layouts the base GPU cannot."""
+    from zoo.plan import load_cluster
+
+    path = tmp_path / "mine.yaml"
+    path.write_text("base: a100-40g\nmemory_gb: 160\ninter_node_gbps: 100\n")
+    gpu = load_cluster(path)
+    assert (gpu.memory_gb, gpu.inter_node_gbps, gpu.peak_tflops) == (160, 100, 312.0)
+    job = Job(GPTConfig.from_preset("llama-7b"), 1, 2048, 8)
+    assert best(plan(job, gpu), job, gpu).fits
+    with pytest.raises(PlanError, match="no layout of 1 x a100-40g"):
+        best(plan(job, get_gpu("a100-40g")), job, get_gpu("a100-40g"))
+    path.write_text("base: a100-40g\nmemory: 160\n")
+    assert main(["--cluster", str(path), "--gpus", "8", "--global-batch", "8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "unknown field(s) ['memory']" in err and len(err.splitlines()) == 1
+
+
+def test_context_parallel_layouts(tmp_path):
+    """cp splits every sequence: half the activations per rank at cp 2, the same FLOPs per step; the written
+    config of a cp layout is one zoo's own loader accepts."""
+    import yaml
+
+    from zoo.plan.cli import run_config
+    from zoo.training.config import load, validate
+
+    c = GPTConfig.from_preset("tiny-llama")
+    job = Job(c, 4, 128, 8, dtype="fp32")
+    gpu = get_gpu("h100")
+    one, two = (estimate(job, Layout(tp=2, dp=2 // cp, cp=cp, zero=1, micro_batch=2), gpu) for cp in (1, 2))
+    assert abs(two.memory["activations"] / one.memory["activations"] - 0.5) < 0.02
+    assert two.params == one.params and two.row()["cp"] == 2
+    rows = plan(job, gpu, {"cp": 2, "tp": 2})
+    assert rows and all(r.layout.cp == 2 and r.layout.dp == 1 for r in rows)
+    path = tmp_path / "cp.yaml"
+    path.write_text(run_config(rows[0], job, "tiny-llama"))
+    cfg = load(path)
+    validate(cfg, 4)
+    assert (cfg.parallel.cp, cfg.parallel.tp, cfg.dp) == (2, 2, 1) and yaml.safe_load(path.read_text())

@@ -1,4 +1,4 @@
-"""Layout planner: the memory and step time of every (tp, pp, dp, ep, ZeRO, micro batch, SP, recompute) layout
+"""Layout planner: the memory and step time of every (tp, pp, dp, cp, ep, ZeRO, micro batch, SP, recompute) layout
 of a GPT model on a cluster, before anything is launched (``launch/plan.py``).
 
 The model (``zoo.plan.estimate``; constants per GPU type in ``zoo.plan.hardware``, nowhere else):
@@ -49,7 +49,9 @@ unfused``: the 2021 runs stored and streamed the s x s scores, which is most of 
 44% of peak); GPT-3 175B on 1024 A100s picks tp=8 inside a node with a pipeline of >= 8 stages, as Megatron's
 Sec. 5 did; memory against measured runs within 10%.
 
-Not modelled: context parallelism (cp = 1 rows only), the interleaved schedule (DeepSpeed runs plain 1F1B),
+Context parallelism is priced as zoo runs it by default (Ulysses): each rank holds s/cp of every sequence, every
+query attends over the whole sequence, four all-to-alls per layer and pass (q, k, v in, the output back), ZeRO
+partitions over dp x cp. Not modelled: ring attention, the interleaved schedule (DeepSpeed runs plain 1F1B),
 CPU offload, overlap of TP communication with compute, and imbalance of MoE routing (experts assumed evenly
 loaded).
 """

@@ -36,6 +36,7 @@ class Layout:
     pp: int = 1
     dp: int = 1
     ep: int = 1
+    cp: int = 1  # context parallel (Ulysses): each sequence split over cp ranks
     zero: int = 1
     micro_batch: int = 1
     sp: bool = False
@@ -43,6 +44,7 @@ class Layout:
 
     def describe(self) -> str:
         ep = f" ep={self.ep}" if self.ep > 1 else ""
+        ep += f" cp={self.cp}" if self.cp > 1 else ""
         return (f"tp={self.tp} pp={self.pp} dp={self.dp}{ep} zero={self.zero} micro_batch={self.micro_batch} "
                 f"sp={str(self.sp).lower()} recompute={self.recompute}")
 
@@ -67,7 +69,7 @@ class Estimate:
 
     def row(self) -> dict:
         lay = self.layout
-        return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "zero": lay.zero,
+        return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "cp": lay.cp, "zero": lay.zero,
                 "micro_batch": lay.micro_batch, "recompute": lay.recompute, "sp": lay.sp, "params": self.params,
                 "memory_per_gpu_gb": round(self.memory_per_gpu_gb, 3),
                 "memory_gb": {k: round(v / GiB, 3) for k, v in self.memory.items()}, "fits": self.fits,
@@ -398,13 +400,13 @@ def _block_cost(c, i: int, lay: Layout, job: Job, gpu: GPU) -> tuple:
     once more by selective recomputation, elementwise HBM bytes per pass, extra bytes of that recomputation,
     TP communication seconds of all passes, EP communication seconds of all passes)."""
     s, a, rc = job.seq_length, DTYPE_BYTES[job.dtype], 1 if lay.recompute == "full" else 0
-    tokens = lay.micro_batch * s
-    g, at = block_flops(c, i, s)
+    tokens = lay.micro_batch * s // lay.cp  # this rank's share of the micro-batch (context parallelism)
+    g, at = block_flops(c, i, s)  # every query still attends over the whole sequence
     gemm, attn_extra, extra_bytes = g * tokens / lay.tp, 0.0, 0.0
     elem = elementwise_bytes(c, i, lay.tp, lay.sp, job.dtype) * tokens
     if job.attention == "unfused":  # the whole s x s square is computed and streamed through HBM
         attn = at * tokens / lay.tp
-        scores = lay.micro_batch * c.num_attention_heads // lay.tp * s * s
+        scores = lay.micro_batch * c.num_attention_heads // lay.tp * s * s // lay.cp
         elem += scores * score_traffic(a, c.attention_dropout > 0) / 3  # per pass, as elem counts
         if lay.recompute == "selective":  # the attention core once more in backward
             attn_extra = at * tokens / lay.tp
@@ -415,6 +417,9 @@ def _block_cost(c, i: int, lay: Layout, job: Job, gpu: GPU) -> tuple:
     tp_comm = 0.0
     for kind in (("all_gather", "reduce_scatter") if lay.sp else ("all_reduce", "all_reduce")):
         tp_comm += (2 + rc) * _collective_time(tokens * c.hidden_size * a, lay.tp, kind, gpu, tp_inter)
+    if lay.cp > 1:  # Ulysses: q, k, v to heads-sharded whole sequences and the output back, each pass
+        size = tokens * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim // lay.tp * a
+        tp_comm += (2 + rc) * _collective_time(size, lay.cp, "all_to_all", gpu, _inter(lay.tp * lay.cp, gpu))
     ep_comm = 0.0
     if lay.ep > 1 and c.is_moe_layer(i):  # dispatch + combine all-to-alls
         size = tokens / lay.tp * c.num_experts_per_tok * c.hidden_size * a
@@ -427,9 +432,9 @@ def estimate(job: Job, lay: Layout, gpu: GPU, cache: dict | None = None) -> Esti
     from zoo.training.metrics import training_flops_per_token
 
     c, s, a = job.config, job.seq_length, DTYPE_BYTES[job.dtype]
-    parts, expert_parts = lay.dp, max(1, lay.dp // lay.ep)
+    parts, expert_parts = lay.dp * lay.cp, max(1, lay.dp * lay.cp // lay.ep)  # DeepSpeed's dp group: dp x cp
     m = job.global_batch // (lay.micro_batch * lay.dp)
-    tokens = lay.micro_batch * s
+    tokens = lay.micro_batch * s // lay.cp
     st = stages(c, lay.tp, lay.pp, lay.ep, cache)
     rc = 1 if lay.recompute == "full" else 0
     peak = (gpu.peak_tflops if a == 2 else gpu.fp32_peak) * 1e12
@@ -442,7 +447,7 @@ def estimate(job: Job, lay: Layout, gpu: GPU, cache: dict | None = None) -> Esti
         pipe = lay.pp > 1
         dense = state_bytes(stage.dense, parts, lay.zero, job.dtype, job.optimizer, m, stage.persistent, pipe)
         expert = state_bytes(stage.expert, expert_parts, lay.zero, job.dtype, job.optimizer, m, 0, pipe)
-        act = activation_bytes(c, stage, lay, job.dtype, s, m, unfused, gpu.checkpoint_state_bytes)
+        act = activation_bytes(c, stage, lay, job.dtype, s // lay.cp, m, unfused, gpu.checkpoint_state_bytes)
         buffers = 0.0
         if lay.zero >= 1:  # DeepSpeed's reduction bucket (two with a pipeline), in the gradients' dtype
             buffers += DEEPSPEED_BUCKET * (4 if a == 4 else a) * (2 if lay.pp > 1 and lay.zero < 3 else 1)
@@ -482,7 +487,7 @@ def estimate(job: Job, lay: Layout, gpu: GPU, cache: dict | None = None) -> Esti
         p2p = 0.0
         if lay.pp > 1:  # activations forward, their gradients backward (partitioned over TP by DeepSpeed / SP)
             p2p = 2 * _collective_time(tokens * c.hidden_size * a / lay.tp, 2, "p2p", gpu,
-                                       _inter(lay.tp * lay.dp * 2, gpu))
+                                       _inter(lay.tp * lay.cp * lay.dp * 2, gpu))
         stage_times.append((compute, tp_comm + ep_comm + p2p))
 
     slowest = max(stage_times, key=sum)
@@ -497,7 +502,7 @@ def estimate(job: Job, lay: Layout, gpu: GPU, cache: dict | None = None) -> Esti
     # block's parameters for every forward, backward and recomputed forward.
     fullest = max(st, key=lambda x: x.dense + x.expert)
     gbytes = 4 if a == 4 else a
-    dp_inter = _inter(lay.tp * lay.dp, gpu)
+    dp_inter = _inter(lay.tp * lay.cp * lay.dp, gpu)
     dp_time = 0.0
     for n, ranks in ((fullest.dense, parts), (fullest.expert, expert_parts)):
         if ranks <= 1 or n == 0:
@@ -519,7 +524,7 @@ def estimate(job: Job, lay: Layout, gpu: GPU, cache: dict | None = None) -> Esti
     step = pipeline + dp_exposed + optimizer_time
     flops_eq3 = job.global_batch * s * training_flops_per_token(c, s, recompute=lay.recompute == "full")
     flops_model = job.global_batch * s * training_flops_per_token(c, s, recompute=False)
-    gpus = lay.tp * lay.pp * lay.dp
+    gpus = lay.tp * lay.pp * lay.dp * lay.cp
     time = {"compute": m * slowest[0] + optimizer_time, "communication": m * slowest[1] + dp_exposed,
             "bubble": bubble}
     total = sum(memory.values())
