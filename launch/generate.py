@@ -10,6 +10,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from zoo.progress import no_bars_in_logs  # noqa: E402
+
+no_bars_in_logs()  # in a log file no \r-drawn bars: before any library imports tqdm
+
 from zoo.dispatch import generate_main as main  # noqa: E402
 
 if __name__ == "__main__":

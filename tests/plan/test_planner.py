@@ -113,17 +113,21 @@ def test_1b_on_8_gpus_needs_no_pipeline():
 
 
 def test_memory_follows_the_zero_rules():
-    """16 bytes per parameter at ZeRO-0 bf16 Adam (+2 for DeepSpeed's fp32 gradient accumulator); each stage
-    divides what the rules say it divides."""
+    """Mixed precision with Adam, as DeepSpeed holds it: without ZeRO (FP16_UnfusedOptimizer) 2 + (2 + 4) + 12
+    bytes per parameter; ZeRO-1 partitions the fp32 masters and moments, ZeRO-2 the gradients too, ZeRO-3 the
+    parameters (all but the tensors of <= 1e5 elements); each adds the fp32 copy of the gradient partition."""
     c = GPTConfig.from_preset("llama-7b")
     job = Job(c, 8, 1024, 64)
     gpu = get_gpu("h200")
-    n = stages(c, 1, 1)[0].dense
-    mem = {z: estimate(job, Layout(dp=8, zero=z, micro_batch=1), gpu).memory for z in range(4)}
-    assert mem[0]["params"] == 2 * n and mem[0]["grads"] == 4 * n and mem[0]["optimizer"] == 12 * n / 8
-    assert mem[1]["params"] == 2 * n and mem[1]["grads"] == 2 * n + 4 * n / 8
-    assert mem[2]["grads"] == (2 + 4) * n / 8 and mem[3]["params"] == 2 * n / 8
+    stage = stages(c, 1, 1)[0]
+    n, small = stage.dense, stage.persistent
+    mem = {z: estimate(job, Layout(dp=8, zero=z, micro_batch=8), gpu).memory for z in range(4)}  # 1 micro-batch
+    assert (mem[0]["params"], mem[0]["grads"], mem[0]["optimizer"]) == (2 * n, 6 * n, 12 * n)
+    assert (mem[1]["params"], mem[1]["grads"], mem[1]["optimizer"]) == (2 * n, 2 * n + 4 * n / 8, 12 * n / 8)
+    assert mem[2]["grads"] == 6 * n / 8 and mem[3]["params"] == 2 * n / 8 + 2 * small
+    assert 0 < small < n / 1000  # norms only: every matrix of a 7B model is partitioned
     assert mem[3]["activations"] == mem[0]["activations"]
+    assert mem[1]["buffers"] - mem[0]["buffers"] == 500_000_000 * 2  # DeepSpeed's bf16 reduction bucket
 
 
 def test_json_only_and_write_config(tmp_path, capsys):
@@ -152,7 +156,8 @@ def test_json_only_and_write_config(tmp_path, capsys):
 @pytest.mark.parametrize("args,message", [
     (["--gpu", "a100-81g", "--gpus", "8", "--global-batch", "8"], "unknown GPU 'a100-81g'"),
     (["--model", "llama-7b", "--gpu", "a100-40g", "--gpus", "1", "--global-batch", "8"], "no layout of 1 x a100-40g"),
-    (["--model", "gpt2-124m", "--gpus", "8", "--global-batch", "12", "--only", "tp=1,pp=1"], "--only tp=1,pp=1"),
+    (["--model", "gpt2-124m", "--gpus", "8", "--global-batch", "12", "--only", "tp=1,pp=1,cp=1"],
+     "--only tp=1,pp=1,cp=1"),
     (["--model", "tiny", "--gpus", "64", "--global-batch", "6"], "global batch 6 is not divisible"),
     (["--model", "nope", "--gpus", "8", "--global-batch", "8"], "neither a zoo GPT preset"),
     (["--gpus", "8", "--global-batch", "8", "--only", "tp=two"], "tp must be an integer"),
@@ -190,3 +195,44 @@ def test_table_and_why_not(capsys):
     assert [line.split()[0] for line in lines[3:6]] == ["1", "2", "3"]
     assert "layouts do not fit" in lines[7] and int(lines[7].split()[0]) > 0
     assert len(lines) == 11 and all("needs" in line and "> 40.0 GiB" in line for line in lines[8:11])
+
+
+def test_cluster_yaml(tmp_path, capsys):
+    """A cluster file overrides a known GPU's fields; more memory per GPU fits layouts the base GPU cannot."""
+    from zoo.plan import load_cluster
+
+    path = tmp_path / "mine.yaml"
+    path.write_text("base: a100-40g\nmemory_gb: 160\ninter_node_gbps: 100\n")
+    gpu = load_cluster(path)
+    assert (gpu.memory_gb, gpu.inter_node_gbps, gpu.peak_tflops) == (160, 100, 312.0)
+    job = Job(GPTConfig.from_preset("llama-7b"), 1, 2048, 8)
+    assert best(plan(job, gpu), job, gpu).fits
+    with pytest.raises(PlanError, match="no layout of 1 x a100-40g"):
+        best(plan(job, get_gpu("a100-40g")), job, get_gpu("a100-40g"))
+    path.write_text("base: a100-40g\nmemory: 160\n")
+    assert main(["--cluster", str(path), "--gpus", "8", "--global-batch", "8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "unknown field(s) ['memory']" in err and len(err.splitlines()) == 1
+
+
+def test_context_parallel_layouts(tmp_path):
+    """cp splits every sequence: half the activations per rank at cp 2, the same FLOPs per step; the written
+    config of a cp layout is one zoo's own loader accepts."""
+    import yaml
+
+    from zoo.plan.cli import run_config
+    from zoo.training.config import load, validate
+
+    c = GPTConfig.from_preset("tiny-llama")
+    job = Job(c, 4, 128, 8, dtype="fp32")
+    gpu = get_gpu("h100")
+    one, two = (estimate(job, Layout(tp=2, dp=2 // cp, cp=cp, zero=1, micro_batch=2), gpu) for cp in (1, 2))
+    assert abs(two.memory["activations"] / one.memory["activations"] - 0.5) < 0.02
+    assert two.params == one.params and two.row()["cp"] == 2
+    rows = plan(job, gpu, {"cp": 2, "tp": 2})
+    assert rows and all(r.layout.cp == 2 and r.layout.dp == 1 for r in rows)
+    path = tmp_path / "cp.yaml"
+    path.write_text(run_config(rows[0], job, "tiny-llama"))
+    cfg = load(path)
+    validate(cfg, 4)
+    assert (cfg.parallel.cp, cfg.parallel.tp, cfg.dp) == (2, 2, 1) and yaml.safe_load(path.read_text())

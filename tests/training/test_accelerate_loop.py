@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tests.training.test_gpt_layouts import COMMON, layout_losses
+from tests.training.test_gpt_layouts import COMMON, layout_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,8 +37,8 @@ def accelerate_loop(overrides):
         os.environ.update(env)
 
 
-def test_accelerate_loop_equals_zoo_dp2_zero2(dist_run, tmp_path):
-    expected = layout_losses(dist_run, "gpt2", "dp2-zero2", tmp_path)[0]  # launch/train.py's loop, dp2 ZeRO-2
+def test_accelerate_loop_equals_zoo_dp2_zero2(dist_run):
+    expected = layout_run(dist_run, "gpt2", "dp2-zero2")[0][0]  # launch/train.py's loop, dp2 ZeRO-2
     for losses in dist_run(2, accelerate_loop, COMMON):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
     assert expected[-1] < expected[0], expected

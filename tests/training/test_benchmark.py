@@ -7,6 +7,8 @@ import json
 import re
 
 from zoo.bench.gpt import main
+from zoo.models.gpt import GPTConfig
+from zoo.training.metrics import training_flops_per_token
 
 SUMMARY = re.compile(r"^(gpt2|llama): zoo (\d+(?:\.\d+)?) tok/s, transformers (\d+(?:\.\d+)?) tok/s, "
                      r"ratio (\d+(?:\.\d+)?)$", re.MULTILINE)
@@ -16,7 +18,7 @@ def test_benchmark_tiny_both_styles(tmp_path, capsys):
     out_json = tmp_path / "bench.json"
     rc = main(["--style", "both", "--hidden-size", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
                "--seq-length", "16", "--batch-size", "2", "--vocab-size", "256", "--steps", "2", "--warmup", "1",
-               "--threads", "1", "--json", str(out_json)])
+               "--threads", "1", "--no-compile", "--json", str(out_json)])
     out = capsys.readouterr().out
     assert rc == 0, out
 
@@ -38,6 +40,21 @@ def test_benchmark_tiny_both_styles(tmp_path, capsys):
         for r in impls.values():
             assert r["tokens_per_s"] > 0 and r["tokens_per_step"] == 2 * 16 and len(r["step_times_s"]) == 2
             assert r["params"] == style["zoo_params"]
+        # The roofline's GEMMs are exactly the step's FLOPs less the attention core (SDPA runs it, not a GEMM):
+        # forward once, backward twice (inputs' and weights' gradients), as the training FLOP counter says.
+        cfg = GPTConfig.from_dict(style["config"])
+        roof = style["roofline"]
+        attention = 3 * 4 * 16 * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
+        assert roof["gemm_flops"] == 2 * 16 * (training_flops_per_token(cfg, 16) - attention)
+        assert roof["gemm_seconds"] > 0 and roof["fraction_of_matmul"] > 0 and roof["square_gemm_flops_per_s"] > 0
+
+    # --json's last line: tokens/s per style and model (no compiled models with --no-compile)
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert sorted(summary) == ["gpt2", "llama"]
+    for style in report["styles"]:
+        entry = summary[style["style"]]
+        assert entry["zoo_eager"] > 0 and entry["hf_eager"] > 0 and entry["zoo_compiled"] is None
+        assert entry["fraction_of_matmul"] == style["roofline"]["fraction_of_matmul"]
 
 
 def test_benchmark_tiny_moe_against_mixtral(tmp_path, capsys):
@@ -47,7 +64,7 @@ def test_benchmark_tiny_moe_against_mixtral(tmp_path, capsys):
     rc = main(["--style", "moe", "--hidden-size", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
                "--experts", "4", "--experts-per-token", "2", "--seq-length", "16", "--batch-size", "2",
                "--vocab-size", "256", "--steps", "2", "--warmup", "1", "--threads", "1", "--no-memory",
-               "--json", str(out_json)])
+               "--no-compile", "--no-roofline", "--json", str(out_json)])
     out = capsys.readouterr().out
     assert rc == 0, out
     grouped = hasattr(torch.nn.functional, "grouped_mm")  # transformers' grouped_mm experts run where torch has it
@@ -60,3 +77,33 @@ def test_benchmark_tiny_moe_against_mixtral(tmp_path, capsys):
     impls = {r["impl"] for r in style["results"]}
     assert impls == {"zoo", "transformers"} | ({"transformers-grouped_mm"} if grouped else set())
     assert all(r["tokens_per_s"] > 0 for r in style["results"])
+
+
+def tp_benchmark(out):
+    import contextlib
+    import io
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        rc = main(["--style", "gpt2", "--hidden-size", "32", "--layers", "1", "--heads", "2", "--seq-length", "16",
+                   "--batch-size", "2", "--vocab-size", "256", "--steps", "2", "--warmup", "1", "--tp", "2",
+                   "--no-compile", "--no-memory", "--json"])
+    return rc, text.getvalue()
+
+
+def test_benchmark_tp2_counts_megatrons_collectives(dist_run, tmp_path):
+    """--tp 2: per step 4 all-reduces of [b, s, h] per block and 2 more (embedding, LM head), and the cross
+    entropy's 3 rows of b*s fp32 numbers: nothing else."""
+    (rc, out), _ = dist_run(2, tp_benchmark, str(tmp_path))
+    assert rc == 0, out
+    row = json.loads(out.strip().splitlines()[-1])["results"][0]
+    b, s, h, layers = 2, 16, 32, 1
+    assert row["tp"] == 2 and row["tokens_per_s"] > 0
+    assert row["comm_bytes"] == {"tp/all_reduce": (4 * layers + 2) * b * s * h * 4 + 3 * b * s * 4}
+    assert row["comm_calls"] == {"tp/all_reduce": 4 * layers + 2 + 3}
+
+
+def test_gpu_suite_needs_a_gpu(capsys):
+    assert main(["--gpu-suite"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --gpu-suite needs a GPU") and len(err.splitlines()) == 1

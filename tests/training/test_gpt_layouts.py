@@ -2,8 +2,12 @@
 
 Each run trains 5 steps from the same seed on the same global batch; losses must agree with the single-process
 run within 1e-5 relative at every step (fp32). The runs execute on long-lived gloo pools of 1, 2 and 4 ranks.
+Every fp32 run is kept (``layout_run``): the communication counts below and the planner's memory model
+(tests/plan) are held against the same runs' metrics.jsonl, so they cost no training of their own.
 """
 
+import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -47,6 +51,7 @@ LAYOUTS = {  # name: (world size, overrides)
 }
 
 _reference_cache = {}
+_runs = {}  # (model, layout, extra overrides) -> (rank 0's losses, metrics.jsonl records)
 
 
 def runner(dist_run, layout):
@@ -54,30 +59,31 @@ def runner(dist_run, layout):
     return dist_run.retire if "zero3" in layout else dist_run
 
 
-def reference(dist_run, model, precision="fp32", tmp="/tmp/zoo-ref"):
+def layout_run(dist_run, model, layout, extra=()):
+    """``(losses of every rank, rank 0's metrics.jsonl records)`` of a layout ("single": one process), run once."""
+    key = (model, layout, tuple(extra))
+    if key not in _runs:
+        world, overrides = LAYOUTS.get(layout, (1, []))
+        with tempfile.TemporaryDirectory() as out:
+            losses = runner(dist_run, layout)(world, train_case, model, overrides + list(extra), out)
+            records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+        _runs[key] = losses, records
+    return _runs[key]
+
+
+def reference(dist_run, model, precision="fp32"):
     key = (model, precision)
     if key not in _reference_cache:
-        _reference_cache[key] = dist_run(1, train_case, model, [f"training.precision={precision}"], f"{tmp}-{model}")[0]
+        extra = () if precision == "fp32" else (f"training.precision={precision}",)
+        _reference_cache[key] = layout_run(dist_run, model, "single", extra)[0][0]
     return _reference_cache[key]
-
-
-_layout_cache = {}
-
-
-def layout_losses(dist_run, model, layout, tmp):
-    """Every rank's losses of ``layout`` (fp32), run once per session (tests/training/test_accelerate_loop.py holds
-    its loop against dp2-zero2)."""
-    if (model, layout) not in _layout_cache:
-        world, overrides = LAYOUTS[layout]
-        _layout_cache[model, layout] = runner(dist_run, layout)(world, train_case, model, overrides, str(tmp))
-    return _layout_cache[model, layout]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
 def test_layout_matches_single_process(dist_run, tmp_path, model, layout):
     expected = reference(dist_run, model)
-    for rank_losses in layout_losses(dist_run, model, layout, tmp_path):
+    for rank_losses in layout_run(dist_run, model, layout)[0]:
         torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(expected), rtol=1e-5, atol=0)
     assert expected[-1] < expected[0], f"the reference run must learn: {expected}"
 
@@ -97,3 +103,76 @@ def test_bf16_trains_in_every_layout(dist_run, tmp_path, model, layout):
     assert all(torch.isfinite(torch.tensor(losses)))
     # bf16 keeps ~3 significant digits; the losses of a 5-step run stay within 2% of fp32.
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(fp32), rtol=2e-2, atol=0)
+
+
+# Communication: rank 0's bytes per step by group/kind (zoo.parallel.comm_count) against the closed forms of the
+# tiny GPT-2 (h=64, 4 blocks, vocabulary 512, micro batch b=2 of s=32 tokens, global batch 8, fp32: 4 bytes).
+H, L, B, S, V, FP32 = 64, 4, 2, 32, 512, 4
+ACT = B * S * H * FP32  # one activation [b, s, h]
+ROW = B * S * FP32  # one fp32 number per token (the cross entropy's max, sum of exponentials, target logit)
+PARAMS = L * (12 * H * H + 13 * H) + V * H + 128 * H + 2 * H  # blocks, tied embedding, positions, final norm
+SP_PARAMS = L * (4 + 2) + 2  # per block: 2 norms (weight, bias), 2 row-parallel biases; the final norm
+
+
+def comm(dist_run, layout):
+    """The last step's counts (the first also holds one-time exchanges: pipeline shapes, ZeRO-3's first gathers)."""
+    record = layout_run(dist_run, "gpt2", layout)[1][-1]
+    return record["comm_bytes"], record["comm_calls"]
+
+
+def scalars(nbytes, calls, key, closed_form, closed_calls):
+    """The closed form exactly, plus at most a few 4-byte scalars (gradient-norm and loss reductions, the stop
+    agreement): a stray activation-sized collective fails."""
+    extra = nbytes[key] - closed_form
+    assert 0 <= extra <= 16 and extra % 4 == 0 and 0 <= calls[key] - closed_calls <= 4, (key, nbytes, calls)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp2-sp", "pp2", "dp2", "dp2-zero1", "dp2-zero2", "dp2-zero3"])
+def test_communication_equals_the_closed_form(dist_run, layout):
+    nbytes, calls = comm(dist_run, layout)
+    m = 4 if layout in ("tp2", "tp2-sp", "pp2") else 2  # micro-batches per step on a rank (dp 1 or 2)
+    if layout == "tp2":
+        # per block: 2 all-reduces forward (attention and MLP outputs), 2 backward (their inputs' gradients);
+        # the vocab-parallel embedding, the LM head's input gradient; 3 rows of the vocab-parallel cross entropy
+        scalars(nbytes, calls, "tp/all_reduce", m * ((4 * L + 2) * ACT + 3 * ROW), m * (4 * L + 2 + 3))
+        assert set(nbytes) == {"tp/all_reduce", "dp/all_reduce"}
+    elif layout == "tp2-sp":
+        # sequence parallelism: each all-reduce becomes an all-gather + a reduce-scatter (forward, and the
+        # conjugate backward); the LM head gathers forward and reduce-scatters back, the embedding's gradient is
+        # gathered; the embedding's forward stays an all-reduce, and the replicated norm weights and row biases
+        # sum their gradients over TP per micro-batch
+        assert nbytes["tp/all_gather"] == m * (4 * L + 2) * ACT and calls["tp/all_gather"] == m * (4 * L + 2)
+        assert nbytes["tp/reduce_scatter"] == m * (4 * L + 1) * ACT
+        scalars(nbytes, calls, "tp/all_reduce", m * (ACT + SP_PARAMS * H * FP32 + 3 * ROW), m * (1 + SP_PARAMS + 3))
+    elif layout == "pp2":
+        # stage 0 sends each micro-batch's activations and receives their gradients; the two copies of the tied
+        # embedding sum their gradients once per step
+        assert nbytes["pp/send"] == m * ACT and nbytes["pp/recv"] == m * ACT
+        scalars(nbytes, calls, "pp/all_reduce", V * H * FP32, 1)
+    else:
+        grads = PARAMS * FP32
+        zero = {"dp2": 0, "dp2-zero1": 1, "dp2-zero2": 2, "dp2-zero3": 3}[layout]
+        if zero < 3:  # DeepSpeed all-reduces the gradients (ZeRO-2: every micro-batch), then (1, 2) gathers
+            scalars(nbytes, calls, "dp/all_reduce", grads * (m if zero == 2 else 1), m if zero == 2 else 1)
+            assert nbytes.get("dp/all_gather", 0) == (0 if zero == 0 else grads)
+        else:  # reduce-scatter every micro-batch; the tiny model's tensors are all below DeepSpeed's
+            # stage3_param_persistence_threshold (1e5 elements), so they are gathered once, after the step
+            assert nbytes["dp/reduce_scatter"] == m * grads and nbytes["dp/all_gather"] == grads
+    assert all(not key.startswith(("ranks", "world", "p2p")) or nbytes[key] <= 16 for key in nbytes), nbytes
+
+
+# torch.compile (training.compile): every block compiled, the losses of the eager runs above, and no graph made
+# after the first step (metrics.jsonl's compiled_graphs stays flat, so nothing recompiles). Inductor's C++ kernels
+# take a cold machine ~20 s per block shape, so the layouts beyond one process capture with aot_eager: what a
+# layout can break (DeepSpeed's hooks around the compiled forward, SP's collectives, the pipeline's calls,
+# recompilation) is in the capture; the kernels are the same for a block of the same shapes.
+@pytest.mark.parametrize("layout,backend", [("single", "inductor"), ("tp2-sp", "aot_eager"), ("pp2", "aot_eager"),
+                                            ("dp2-zero3", "aot_eager")])
+def test_compiled_blocks_train_like_eager(dist_run, layout, backend):
+    expected = reference(dist_run, "gpt2")
+    losses, records = layout_run(dist_run, "gpt2", layout, ["training.compile=true",
+                                                            f"training.compile_backend={backend}"])
+    for rank_losses in losses:
+        torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(expected), rtol=1e-5, atol=0)
+    graphs = [r["compiled_graphs"] for r in records if "compiled_graphs" in r]
+    assert len(graphs) == STEPS and graphs[0] > 0 and len(set(graphs)) == 1, graphs

@@ -93,7 +93,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
     p.add_argument("--seed", type=int, default=1234, help="seed of the weights and of the token batch")
     p.add_argument("--no-memory", action="store_true", help="skip the extra step that measures peak memory")
-    p.add_argument("--json", metavar="FILE", help="also write the results to FILE as JSON")
+    p.add_argument("--no-compile", action="store_true",
+                   help="eager models only (default: also both models with torch.compile on every block)")
+    p.add_argument("--no-roofline", action="store_true",
+                   help="skip measuring the rate of every GEMM shape the step runs (fraction_of_matmul)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size, under torchrun with that many processes: zoo only (eager and "
+                        "compiled), with the bytes each collective moves per step")
+    p.add_argument("--gpu-suite", action="store_true",
+                   help="the whole GPU set in one command: gpt2-124m and llama-1b in bf16 (eager and compiled, "
+                        "against transformers) and, with 2 GPUs, gpt2-124m at --tp 2 under torchrun; results in "
+                        "--out (default runs/bench-gpu)")
+    p.add_argument("--out", default="runs/bench-gpu", help="--gpu-suite: where the JSON reports go")
+    p.add_argument("--json", nargs="?", const="-", metavar="FILE",
+                   help="end the output with one JSON line of tokens/s per style and model (zoo_eager, "
+                        "zoo_compiled, hf_eager, hf_compiled, fraction_of_matmul); with FILE also write the whole "
+                        "report there")
     return p
 
 
@@ -307,6 +322,95 @@ def hf_num_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # parameters() counts a tied weight once
 
 
+def compiled(trainee: Trainee) -> Trainee:
+    """The same trainee with every block compiled in place (``nn.Module.compile``, as ``training.compile``
+    does for zoo): zoo's GPTBlock, transformers' GPT2Block / LlamaDecoderLayer / MixtralDecoderLayer. Embeddings,
+    heads and losses stay eager on both sides, so the comparison is block for block."""
+    names = ("GPTBlock", "GPT2Block", "LlamaDecoderLayer", "MixtralDecoderLayer")
+    blocks = [m for m in trainee.model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(f"{trainee.impl}: no block to compile")
+    for block in blocks:
+        block.compile()
+    trainee.impl += "-compiled"
+    return trainee
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The roofline: what the step's GEMMs alone would take at the rates this device sustains for their shapes
+# ---------------------------------------------------------------------------------------------------------------
+
+def gemm_shapes(trainee: Trainee, ids, labels) -> dict:
+    """``{(batch, m, n, k, a transposed, b transposed, dtype): calls}`` of every matrix product one training
+    step runs (aten mm / addmm / bmm / baddbmm, forward and backward), recorded by a dispatch mode around one
+    extra, untimed eager step."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    two_d = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2)}
+    three_d = {aten.bmm.default: (0, 1), aten.baddbmm.default: (1, 2)}
+    shapes: Counter = Counter()
+
+    def transposed(t: torch.Tensor) -> bool:
+        return t.dim() >= 2 and t.stride(-2) == 1 and t.stride(-1) != 1
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            where = two_d.get(func) or three_d.get(func)
+            if where is not None:
+                a, b = args[where[0]], args[where[1]]
+                batch = a.shape[0] if func in three_d else 1
+                shapes[(batch, a.shape[-2], b.shape[-1], a.shape[-1], transposed(a), transposed(b),
+                        str(a.dtype))] += 1
+            return func(*args, **(kwargs or {}))
+
+    trainee.optimizer.zero_grad(set_to_none=True)
+    with Record():
+        trainee.train_step(ids, labels)
+    trainee.optimizer.zero_grad(set_to_none=True)
+    return dict(shapes)
+
+
+def _operand(rows: int, cols: int, transposed: bool, batch: int, dtype, device) -> torch.Tensor:
+    shape = (cols, rows) if transposed else (rows, cols)
+    t = torch.randn((batch, *shape) if batch > 1 else shape, dtype=dtype, device=device)
+    return t.transpose(-1, -2) if transposed else t
+
+
+def gemm_seconds(shape: tuple, device, accel, reps: int = 5) -> float:
+    """Median seconds of one product of this shape and layout here (``torch.mm`` / ``torch.bmm``)."""
+    batch, m, n, k, ta, tb, dtype = shape
+    dtype = getattr(torch, dtype.removeprefix("torch."))
+    a, b = _operand(m, k, ta, batch, dtype, device), _operand(k, n, tb, batch, dtype, device)
+    mm = torch.bmm if batch > 1 else torch.mm
+    for _ in range(2):
+        mm(a, b)
+    times = []
+    for _ in range(reps):
+        accel.synchronize()
+        start = time.perf_counter()
+        mm(a, b)
+        accel.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def roofline(shapes: dict, device, accel) -> tuple[float, float]:
+    """``(seconds the step's GEMMs take at their measured rates, their FLOPs)``."""
+    seconds = sum(calls * gemm_seconds(shape, device, accel) for shape, calls in shapes.items())
+    flops = sum(calls * 2 * b * m * n * k for (b, m, n, k, *_), calls in shapes.items())
+    return seconds, flops
+
+
+def square_gemm_flops(device, accel, dtype, size: int | None = None) -> float:
+    """FLOP/s of a plain square GEMM of this dtype (1024 on a CPU, 8192 on an accelerator)."""
+    size = size or (1024 if accel.device_name() == "cpu" else 8192)
+    seconds = gemm_seconds((1, size, size, size, False, False, str(dtype)), device, accel, reps=7)
+    return 2 * size**3 / seconds
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Measurement
 # ---------------------------------------------------------------------------------------------------------------
@@ -390,11 +494,22 @@ class StyleReport:
     zoo_params_allocated: int  # zoo's tensors, padded vocabulary included
     hf_params: int
     results: list = field(default_factory=list)
+    roofline: dict | None = None  # the step's GEMMs at this device's measured rates (gemm_shapes, roofline)
 
     @property
     def ratio(self) -> float:
         zoo, hf = (next(r for r in self.results if r.impl == impl) for impl in ("zoo", "transformers"))
         return zoo.tokens_per_s / hf.tokens_per_s
+
+    def tokens_per_s(self, impl: str) -> float | None:
+        return next((r.tokens_per_s for r in self.results if r.impl == impl), None)
+
+    def summary(self) -> dict:
+        """The ``--json`` line's entry of this style."""
+        return {"zoo_eager": self.tokens_per_s("zoo"), "zoo_compiled": self.tokens_per_s("zoo-compiled"),
+                "hf_eager": self.tokens_per_s("transformers"),
+                "hf_compiled": self.tokens_per_s("transformers-compiled"),
+                "fraction_of_matmul": None if self.roofline is None else self.roofline["fraction_of_matmul"]}
 
 
 def batch_shape(args, cfg) -> tuple[int, int]:
@@ -434,6 +549,11 @@ def benchmark_style(style: str, args, accel, device, dtype, log) -> StyleReport:
     trainees = [zoo, hf]
     if style == "moe" and hasattr(torch.nn.functional, "grouped_mm"):  # transformers' fused-experts path
         trainees.append(build_hf(cfg, device, dtype, args.seed, args.lr, experts_implementation="grouped_mm"))
+    shapes = None if args.no_roofline else gemm_shapes(zoo, ids, labels)
+    if not args.no_compile:
+        trainees += [compiled(build_zoo(cfg, device, dtype, args.seed, args.lr)),
+                     compiled(build_hf(cfg, device, dtype, args.seed, args.lr))]
+        log(f"{style}: compiling the blocks of both models (the first warm-up steps)")
     run_interleaved(trainees, ids, labels, accel, args.warmup, args.steps)
     memory = {t.impl: None if args.no_memory else step_peak_memory_gb(t, ids, labels, accel) for t in trainees}
 
@@ -449,7 +569,84 @@ def benchmark_style(style: str, args, accel, device, dtype, log) -> StyleReport:
             style, t.impl, report.hf_params if t.impl.startswith("transformers") else report.zoo_params, b * s, median,
             statistics.median(t.cpu_times), tok_s, tflops, None if peak is None else tflops / peak, memory[t.impl],
             t.losses[0], t.losses[-1], list(t.step_times)))
+    if shapes is not None:
+        gemm_s, gemm_flops = roofline(shapes, device, accel)
+        fastest_zoo = min((r for r in report.results if r.impl.startswith("zoo")), key=lambda r: r.step_time_s)
+        report.roofline = {"of": fastest_zoo.impl, "gemm_seconds": gemm_s, "gemm_flops": gemm_flops,
+                           "gemm_shapes": len(shapes), "fraction_of_matmul": gemm_s / fastest_zoo.step_time_s,
+                           "step_flops_per_s": flops_per_token * b * s / fastest_zoo.step_time_s,
+                           "square_gemm_flops_per_s": square_gemm_flops(device, accel, dtype)}
     return report
+
+
+def benchmark_tp(style: str, args, accel, device, dtype, grid, log) -> list[dict]:
+    """zoo alone at tp = the world (transformers has no tensor parallelism): eager and compiled, each step's
+    collectives counted (``zoo.parallel.comm_count``). Every rank runs the same batch; rank 0 reports."""
+    from zoo.parallel.comm_count import CommCounter
+    from zoo.training.metrics import device_name, peak_tflops, training_flops_per_token
+
+    cfg = zoo_config(style, args)
+    b, s = batch_shape(args, cfg)
+    g = torch.Generator().manual_seed(args.seed)
+    tokens = torch.randint(0, cfg.vocab_size, (b, s + 1), generator=g).to(device)
+    ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    trainees = [build_zoo(cfg, device, dtype, args.seed, args.lr)]
+    if not args.no_compile:
+        trainees.append(compiled(build_zoo(cfg, device, dtype, args.seed, args.lr)))
+    run_interleaved(trainees, ids, labels, accel, args.warmup, args.steps)
+    peak = peak_tflops(device_name(), args.dtype)
+    rows = []
+    for t in trainees:
+        with CommCounter(grid) as comm:
+            t.timed_step(ids, labels, accel, record=False)
+            nbytes, calls = comm.take()
+        median = statistics.median(t.step_times)
+        tflops = training_flops_per_token(cfg, s) * b * s / median / grid.world_size / 1e12
+        memory = None if args.no_memory else step_peak_memory_gb(t, ids, labels, accel)
+        rows.append({"style": style, "impl": t.impl, "tp": grid.tp, "tokens_per_s": b * s / median,
+                     "step_time_s": median, "tflops_per_device": tflops,
+                     "mfu": None if peak is None else tflops / peak, "peak_memory_gb": memory,
+                     "comm_bytes": nbytes, "comm_calls": calls})
+        log(f"{style} tp={grid.tp} {t.impl}: {b * s / median:.0f} tok/s, {tflops:.3g} TFLOP/s per device"
+            + ("" if peak is None else f", MFU {tflops / peak:.1%}")
+            + ("" if memory is None else f", peak {memory:.2f} GB")
+            + f", per step {', '.join(f'{k} {v / 2**20:.1f} MiB' for k, v in nbytes.items())}")
+    return rows
+
+
+GPU_SUITE = [  # (name, argument list): about 2-3 minutes each on one H200
+    ("gpt2-124m", ["--preset", "gpt2-124m", "--dtype", "bf16"]),
+    ("llama-1b", ["--preset", "llama-1b", "--dtype", "bf16", "--batch-size", "4", "--seq-length", "2048"]),
+]
+
+
+def gpu_suite(args, accel) -> int:
+    """Every GPU benchmark in its own process (a fresh allocator and compile cache each), then one summary."""
+    import subprocess
+
+    if accel.device_name() == "cpu":
+        print("error: --gpu-suite needs a GPU and deepspeed.accelerator finds only the CPU here; run it on a GPU "
+              "machine (python launch/benchmark.py --gpu-suite)", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    script = str(Path(__file__).resolve().parents[2] / "launch" / "benchmark.py")
+    runs = [(name, [sys.executable, script, *extra, "--json", str(out / f"{name}.json")]) for name, extra in GPU_SUITE]
+    if accel.device_count() >= 2:
+        runs.append(("gpt2-124m-tp2", [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script,
+                                       "--preset", "gpt2-124m", "--dtype", "bf16", "--tp", "2", "--json",
+                                       str(out / "gpt2-124m-tp2.json")]))
+    else:
+        print("note: one GPU here: the --tp 2 run needs two and is skipped", flush=True)
+    failed = []
+    for name, cmd in runs:
+        print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
+        start = time.perf_counter()
+        if subprocess.run(cmd).returncode != 0:
+            failed.append(name)
+        print(f"== {name}: {time.perf_counter() - start:.0f} s", flush=True)
+    print(f"reports in {out}" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -477,9 +674,50 @@ def format_table(results: list[Result]) -> str:
 def summary_line(report: StyleReport) -> str:
     zoo, hf = (next(r for r in report.results if r.impl == impl) for impl in ("zoo", "transformers"))
     extra = "".join(f", {r.impl} {r.tokens_per_s:.0f} tok/s (ratio {zoo.tokens_per_s / r.tokens_per_s:.2f})"
-                    for r in report.results if r.impl.startswith("transformers-"))
-    return (f"{report.style}: zoo {zoo.tokens_per_s:.0f} tok/s, transformers {hf.tokens_per_s:.0f} tok/s, "
+                    for r in report.results if r.impl.startswith("transformers-") and not r.impl.endswith("-compiled"))
+    line = (f"{report.style}: zoo {zoo.tokens_per_s:.0f} tok/s, transformers {hf.tokens_per_s:.0f} tok/s, "
             f"ratio {report.ratio:.2f}{extra}")
+    zc, hc = report.tokens_per_s("zoo-compiled"), report.tokens_per_s("transformers-compiled")
+    if zc is not None and hc is not None:
+        line += (f"\n{report.style} compiled: zoo {zc:.0f} tok/s, transformers {hc:.0f} tok/s, ratio {zc / hc:.2f}; "
+                 f"zoo compiled / transformers eager {zc / hf.tokens_per_s:.2f}, zoo compiled / eager "
+                 f"{zc / zoo.tokens_per_s:.2f}")
+    roof = report.roofline
+    if roof is not None:
+        line += (f"\n{report.style} roofline ({roof['of']}): its {roof['gemm_shapes']} GEMM shapes at this device's "
+                 f"measured rates take {roof['gemm_seconds'] * 1e3:.1f} ms of the step's "
+                 f"{roof['gemm_seconds'] / roof['fraction_of_matmul'] * 1e3:.1f} ms: fraction_of_matmul "
+                 f"{roof['fraction_of_matmul']:.2f}; the step runs {roof['step_flops_per_s'] / 1e9:.1f} GFLOP/s, a "
+                 f"square GEMM {roof['square_gemm_flops_per_s'] / 1e9:.1f} GFLOP/s "
+                 f"({roof['step_flops_per_s'] / roof['square_gemm_flops_per_s']:.0%})")
+    return line
+
+
+def main_tp(args, styles, accel, device, dtype, threads, threads_before, log) -> int:
+    from zoo.parallel.topology import destroy_model_parallel, initialize_model_parallel
+
+    rows = []
+    try:
+        grid = initialize_model_parallel(args.tp, 1)
+        say = log if grid.rank == 0 else (lambda line: None)
+        say(f"device {accel.current_device_name()} x {grid.world_size}, tp={grid.tp}, {args.dtype}, "
+            f"{args.warmup} warm-up + {args.steps} timed steps (median)")
+        for style in styles:
+            rows += benchmark_tp(style, args, accel, device, dtype, grid, say)
+        if grid.rank == 0 and args.json:
+            text = json.dumps({"tp": grid.tp, "device": accel.current_device_name(), "dtype": args.dtype,
+                               "results": rows})
+            if args.json != "-":
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.json).write_text(text + "\n")
+            log(text)
+    except (ValueError, FloatingPointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        torch.set_num_threads(threads_before)
+        destroy_model_parallel()
+    return 0
 
 
 def main(argv=None) -> int:
@@ -513,6 +751,13 @@ def main(argv=None) -> int:
         styles = ["gpt2", "llama"] if args.style in (None, "both") else [args.style]
 
     accel = get_accelerator()
+    if args.gpu_suite:
+        return gpu_suite(args, accel)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tp < 1 or args.tp != world:
+        print(f"error: --tp {args.tp} runs under a launcher with that many processes (here {world}): torchrun "
+              f"--nproc_per_node {max(args.tp, 1)} launch/benchmark.py ... --tp {max(args.tp, 1)}", file=sys.stderr)
+        return 2
     device = torch.device(accel.current_device_name())
     dtype = DTYPES[args.dtype]
     if accel.device_name() == "cpu" and dtype != torch.float32:
@@ -524,6 +769,8 @@ def main(argv=None) -> int:
     started_dist = not (dist.is_available() and dist.is_initialized())
     log = lambda s: print(s, flush=True)  # noqa: E731
     reports: list[StyleReport] = []
+    if args.tp > 1:
+        return main_tp(args, styles, accel, device, dtype, threads, threads_before, log)
     try:
         initialize_model_parallel(1, 1)  # a world of one: zoo's layers take their single-rank path
         log(f"device {accel.current_device_name()} ({threads} CPU threads), {args.dtype}, AdamW lr {args.lr}, "
@@ -552,7 +799,7 @@ def main(argv=None) -> int:
             "waiting for it; 'cpu ms' (this process's CPU time per step) compares the work done more steadily")
     for rep in reports:
         log(summary_line(rep))
-    if args.json:
+    if args.json and args.json != "-":
         out = {
             "device": accel.current_device_name(),
             "dtype": args.dtype,
@@ -562,9 +809,12 @@ def main(argv=None) -> int:
             "load_average": load,
             "styles": [{"style": rep.style, "config": rep.config, "zoo_params": rep.zoo_params,
                         "zoo_params_allocated": rep.zoo_params_allocated, "transformers_params": rep.hf_params,
-                        "ratio": rep.ratio, "results": [asdict(r) for r in rep.results]} for rep in reports],
+                        "ratio": rep.ratio, "roofline": rep.roofline,
+                        "results": [asdict(r) for r in rep.results]} for rep in reports],
         }
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
         log(f"results written to {args.json}")
+    if args.json:
+        log(json.dumps({rep.style: rep.summary() for rep in reports}))
     return 0

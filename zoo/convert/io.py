@@ -77,6 +77,8 @@ def resolve_model_folder(path: str | os.PathLike) -> Path:
             return folder
     if not path.is_dir():
         raise CheckpointError(f"model folder {path} does not exist")
+    if (path / CONFIG_NAME).is_file():
+        read_config(path)  # raises, saying what the config is instead (a HuggingFace one: convert it first)
     raise CheckpointError(f"{path} is neither a zoo model folder (config.json with zoo_format) nor a run folder with "
                           f"one in model/; pass a folder exported by launch/train.py or its run folder")
 

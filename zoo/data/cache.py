@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from typing import Callable
+
+from zoo.data import files
 
 MARKER = "done.json"
 
@@ -34,7 +35,7 @@ def cached_build(cache_dir: str | os.PathLike, name: str, marker: dict, build: C
     if finished():
         return final
     os.makedirs(cache_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=cache_dir, prefix=f".{name}-build-")
+    tmp = files.mkdtemp(dir=cache_dir, prefix=f".{name}-build-")
     try:
         build(tmp)
         with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:

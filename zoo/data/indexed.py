@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import os
 import struct
-import tempfile
 from array import array
 from typing import Sequence
 
 import numpy as np
+
+from zoo.data import files
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -68,7 +69,7 @@ class IndexedDatasetBuilder:
             raise ValueError(f"dtype {self.dtype} has no Megatron dtype code; use one of {names}")
         self._sizes = array("i")  # int32, as stored in the .idx
         folder = os.path.dirname(self.prefix) or "."
-        fd, self._tmp_bin = tempfile.mkstemp(dir=folder, prefix=os.path.basename(self.prefix) + ".bin.", suffix=".tmp")
+        fd, self._tmp_bin = files.mkstemp(dir=folder, prefix=os.path.basename(self.prefix) + ".bin.", suffix=".tmp")
         self._bin = os.fdopen(fd, "wb")
         self._closed = False
 
@@ -121,7 +122,7 @@ class IndexedDatasetBuilder:
             pointers *= self.dtype.itemsize
             doc_idx = self._doc_index()
             folder = os.path.dirname(self.prefix) or "."
-            fd, tmp_idx = tempfile.mkstemp(dir=folder, prefix=os.path.basename(self.prefix) + ".idx.", suffix=".tmp")
+            fd, tmp_idx = files.mkstemp(dir=folder, prefix=os.path.basename(self.prefix) + ".idx.", suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
                 f.write(_HEADER.pack(MAGIC, VERSION, CODE_OF_DTYPE[self.dtype], n, doc_idx.size))
                 f.write(sizes.astype("<i4").tobytes())

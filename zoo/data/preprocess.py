@@ -48,7 +48,6 @@ import multiprocessing
 import os
 import shutil
 import sys
-import tempfile
 import time
 from typing import Callable, Iterator, Sequence
 
@@ -447,10 +446,11 @@ def run(args: argparse.Namespace) -> str:
 
     # Imported after the cheap checks, so that a mistyped path fails at once (transformers takes seconds).
     import numpy as np
-    from tqdm import tqdm
 
+    from zoo.data import files
     from zoo.data.indexed import IndexedDatasetBuilder, best_dtype, data_file, index_file
     from zoo.data.tokenizer import load_tokenizer, train_bpe_tokenizer
+    from zoo.progress import progress_bar
 
     tokenizer = None
     if args.tokenizer:
@@ -466,8 +466,8 @@ def run(args: argparse.Namespace) -> str:
         created += _makedirs(os.path.dirname(os.path.abspath(args.output_prefix)))
         if args.train_tokenizer:
             created += _makedirs(os.path.dirname(os.path.abspath(args.tokenizer_out)))
-            tmp_tok = tempfile.mkdtemp(dir=os.path.dirname(os.path.abspath(args.tokenizer_out)),
-                                       prefix=os.path.basename(os.path.abspath(args.tokenizer_out)) + ".tmp-")
+            tmp_tok = files.mkdtemp(dir=os.path.dirname(os.path.abspath(args.tokenizer_out)),
+                                    prefix=os.path.basename(os.path.abspath(args.tokenizer_out)) + ".tmp-")
             if not args.quiet:
                 print(f"training a {args.vocab_size}-token byte-level BPE on the inputs ...", file=sys.stderr)
             train_bpe_tokenizer(_all_documents(sources), args.vocab_size, tmp_tok)
@@ -477,8 +477,8 @@ def run(args: argparse.Namespace) -> str:
             raise InputError("the tokenizer has no EOS token to append; pass --no-append-eod or another tokenizer")
         dtype = np.dtype(best_dtype(len(tokenizer)))
         n_docs = n_tokens = 0
-        bar = tqdm(unit=" docs", file=sys.stderr, disable=args.quiet, mininterval=0.5, dynamic_ncols=True,
-                   desc=f"{args.workers} workers" if args.workers > 1 else None)
+        bar = progress_bar(unit=" docs", disable=args.quiet, mininterval=0.5,  # plain lines in a log file
+                           desc=f"{args.workers} workers" if args.workers > 1 else "")
         with bar, IndexedDatasetBuilder(args.output_prefix, dtype=dtype) as builder:
             encoded = _encoded(_batches(_all_documents(sources)), tokenizer, args.tokenizer or tmp_tok,
                                eod if args.append_eod else None, dtype.name, args.workers)

@@ -38,8 +38,9 @@ class PretrainedUNet(SpecSequential):
         self.config, self.family = config, family_of(config)
 
     @classmethod
-    def from_pretrained(cls, folder: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> "PretrainedUNet":
-        """Load a zoo U-Net folder (or a run folder with ``model/``), in eval mode."""
+    def from_pretrained(cls, folder: str | os.PathLike, *, device=None,
+                        dtype: torch.dtype = torch.float32) -> "PretrainedUNet":
+        """Load a zoo U-Net folder (or a run folder with ``model/``) on ``device`` (default CPU), in eval mode."""
         from zoo.models.unet import config_from_dict
 
         folder = io.resolve_model_folder(folder)
@@ -49,7 +50,7 @@ class PretrainedUNet(SpecSequential):
         except ValueError as e:
             raise io.CheckpointError(f"{folder}: {e}") from None
         io.load_model(folder, model)
-        return model.to(dtype).eval()
+        return model.to(device=device or "cpu", dtype=dtype).eval()
 
     def save_pretrained(self, folder: str | os.PathLike) -> Path:
         """Write ``config.json`` + ``model.safetensors`` (a zoo model folder), replacing ``folder`` once complete."""

@@ -245,7 +245,7 @@ class BertSelfAttention(nn.Module):
         qkv = self.qkv(x).view(b, s, self.num_heads_local, 3, self.head_dim)  # [b, s, n_local, 3, d]
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [b, n_local, s, d]
         p = self.config.attention_probs_dropout_prob if self.training else 0.0
-        with tensor_parallel_rng():  # heads are sharded: each rank draws its own heads' masks
+        with tensor_parallel_rng(p > 0):  # heads are sharded: each rank draws its own heads' masks
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_bias(attention_mask, q.dtype),
                                                  dropout_p=p)  # [b, n_local, s, d]
         out = out.transpose(1, 2).reshape(b, s, -1)  # [b, s, n_local * d]

@@ -550,7 +550,7 @@ class GPTAttention(nn.Module):
                 cos, sin = cos[pos], sin[pos]  # [s, d]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         p = self.config.attention_dropout if self.training else 0.0
-        with tensor_parallel_rng():  # heads are sharded: each rank draws its own heads' masks
+        with tensor_parallel_rng(p > 0):  # heads are sharded: each rank draws its own heads' masks
             if self.cp == 1:
                 out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
                                                      enable_gqa=self.q_per_group > 1)  # [b, nq_local, s, d]

@@ -56,12 +56,17 @@ def model_parallel_seed(seed: int, tp_rank: int = 0, cp_rank: int = 0) -> None:
 
 
 @contextlib.contextmanager
-def tensor_parallel_rng():
+def tensor_parallel_rng(enabled: bool = True):
     """Run the body (e.g. dropout on sharded activations) on the tensor-parallel stream.
 
     Outside a seeded run (no stream registered) the default generator is used, so layers still work in a
-    plain process that never called :func:`model_parallel_seed`.
+    plain process that never called :func:`model_parallel_seed`. ``enabled=False`` (nothing random in the body,
+    e.g. attention without dropout) does nothing: switching streams copies the tracker's state dict, which
+    ``torch.compile`` cannot trace, so a compiled block must not switch when it draws nothing.
     """
+    if not enabled:
+        yield
+        return
     tracker = get_rng_tracker()
     if TENSOR_PARALLEL_RNG not in tracker.get_states():
         yield

@@ -46,6 +46,19 @@ def gather_objects(obj, group=None) -> list:
     return out
 
 
+def gather_ints(values: list[int], group=None) -> list[list[int]]:
+    """Every rank's ``values`` (the same length on every rank), indexed by rank: one small int64 ``all_gather`` on
+    the accelerator (NCCL needs device tensors, gloo takes them too); a world of one without torch.distributed."""
+    if not dist.is_initialized():
+        return [list(values)]
+    from deepspeed.accelerator import get_accelerator
+
+    local = torch.tensor(values, dtype=torch.int64, device=get_accelerator().current_device_name())
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
+    return [p.tolist() for p in parts]
+
+
 def barrier(group=None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)

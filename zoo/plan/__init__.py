@@ -1,4 +1,4 @@
-"""Layout planner: the memory and step time of every (tp, pp, dp, ep, ZeRO, micro batch, SP, recompute) layout
+"""Layout planner: the memory and step time of every (tp, pp, dp, cp, ep, ZeRO, micro batch, SP, recompute) layout
 of a GPT model on a cluster, before anything is launched (``launch/plan.py``).
 
 The model (``zoo.plan.estimate``; constants per GPU type in ``zoo.plan.hardware``, nowhere else):
@@ -36,8 +36,9 @@ Sec. 2.2.1) + data-parallel communication not hidden + the optimizer step:
   gradients point to point per micro-batch, partitioned over TP; expert parallel: 2 all-to-alls per MoE layer
   and pass; ring algorithms move 2(n-1)/n (all-reduce) or (n-1)/n of the buffer through each GPU's link at
   ``bandwidth_efficiency`` of its nominal rate, plus a latency per collective;
-- data parallel as DeepSpeed runs it (``estimate.estimate``): ZeRO-0/1 reduce once per step, ZeRO-2 every
-  micro-batch, ZeRO-3 also gathers every block's parameters per pass; only ZeRO-3's is overlapped with compute.
+- data parallel as DeepSpeed runs it (its calls counted by ``zoo.parallel.comm_count``): ZeRO-0/1 all-reduce
+  the gradients once per step, ZeRO-2 every micro-batch, ZeRO-1/2 then all-gather the parameters, ZeRO-3
+  reduce-scatters every micro-batch and gathers every block's parameters per pass; only ZeRO-3's is overlapped.
 
 Throughput: tokens/s = global batch x s / step time; TFLOP/s per GPU counts FLOPs as Megatron's Eq. 3 does
 (with the recomputed forward when recompute is full); MFU counts the model's FLOPs only, against the peak.
@@ -48,7 +49,9 @@ unfused``: the 2021 runs stored and streamed the s x s scores, which is most of 
 44% of peak); GPT-3 175B on 1024 A100s picks tp=8 inside a node with a pipeline of >= 8 stages, as Megatron's
 Sec. 5 did; memory against measured runs within 10%.
 
-Not modelled: context parallelism (cp = 1 rows only), the interleaved schedule (DeepSpeed runs plain 1F1B),
+Context parallelism is priced as zoo runs it by default (Ulysses): each rank holds s/cp of every sequence, every
+query attends over the whole sequence, four all-to-alls per layer and pass (q, k, v in, the output back), ZeRO
+partitions over dp x cp. Not modelled: ring attention, the interleaved schedule (DeepSpeed runs plain 1F1B),
 CPU offload, overlap of TP communication with compute, and imbalance of MoE routing (experts assumed evenly
 loaded).
 """

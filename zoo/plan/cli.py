@@ -94,13 +94,13 @@ def _gb(x: float) -> str:
 
 
 def table(rows, top: int) -> str:
-    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'ep':>3} {'zero':>4} {'mb':>3} {'sp':>3} {'recomp':>9} | "
+    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'ep':>3} {'cp':>3} {'zero':>4} {'mb':>3} {'sp':>3} {'recomp':>9} | "
             f"{'GiB/GPU':>7} {'param':>6} {'grad':>6} {'optim':>6} {'activ':>6} {'buf':>5} | {'step s':>7} "
             f"{'comp':>6} {'comm':>6} {'bubble':>6} | {'tokens/s':>10} {'TFLOP/s':>7} {'MFU':>5}")
     lines = [head, "-" * len(head)]
     for n, e in enumerate(rows[:top], 1):
         lay, m, t = e.layout, e.memory, e.time
-        lines.append(f"{n:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>5} {lay.ep:>3} {lay.zero:>4} {lay.micro_batch:>3} "
+        lines.append(f"{n:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>5} {lay.ep:>3} {lay.cp:>3} {lay.zero:>4} {lay.micro_batch:>3} "
                      f"{'y' if lay.sp else 'n':>3} {lay.recompute:>9} | {e.memory_per_gpu_gb:>7.1f} "
                      f"{_gb(m['params']):>6} {_gb(m['grads']):>6} {_gb(m['optimizer']):>6} "
                      f"{_gb(m['activations']):>6} {_gb(m['buffers'] + m['reserved']):>5} | {e.step_time_s:>7.3f} "
@@ -125,7 +125,7 @@ def run_config(e, job: Job, preset: str | None, gpus_per_node: int = 8) -> str:
         base = GPTConfig.from_preset(preset).to_dict()
         model.update({k: v for k, v in job.config.to_dict().items() if base.get(k) != v})
     cfg = {"model": model,
-           "parallel": {"tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "zero_stage": lay.zero,
+           "parallel": {"tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "cp": lay.cp, "zero_stage": lay.zero,
                         "sequence_parallel": lay.sp, "activation_checkpointing": lay.recompute == "full"},
            "training": {"micro_batch_size": lay.micro_batch, "global_batch_size": job.global_batch,
                         "seq_length": job.seq_length, "precision": job.dtype}}

@@ -16,6 +16,7 @@ OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}  # fp32 moments per pa
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("flash", "unfused")
 DEEPSPEED_BUCKET = 500_000_000  # elements: DeepSpeed's reduce_bucket_size and allgather_bucket_size defaults
+ZERO3_PERSISTENCE = 100_000  # elements: DeepSpeed's stage3_param_persistence_threshold (smaller tensors stay whole)
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class Layout:
     pp: int = 1
     dp: int = 1
     ep: int = 1
+    cp: int = 1  # context parallel (Ulysses): each sequence split over cp ranks
     zero: int = 1
     micro_batch: int = 1
     sp: bool = False
@@ -42,6 +44,7 @@ class Layout:
 
     def describe(self) -> str:
         ep = f" ep={self.ep}" if self.ep > 1 else ""
+        ep += f" cp={self.cp}" if self.cp > 1 else ""
         return (f"tp={self.tp} pp={self.pp} dp={self.dp}{ep} zero={self.zero} micro_batch={self.micro_batch} "
                 f"sp={str(self.sp).lower()} recompute={self.recompute}")
 
@@ -66,7 +69,7 @@ class Estimate:
 
     def row(self) -> dict:
         lay = self.layout
-        return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "zero": lay.zero,
+        return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "cp": lay.cp, "zero": lay.zero,
                 "micro_batch": lay.micro_batch, "recompute": lay.recompute, "sp": lay.sp, "params": self.params,
                 "memory_per_gpu_gb": round(self.memory_per_gpu_gb, 3),
                 "memory_gb": {k: round(v / GiB, 3) for k, v in self.memory.items()}, "fits": self.fits,
@@ -80,40 +83,56 @@ class Estimate:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _norm(c) -> int:
-    return c.hidden_size * (2 if c.normalization == "layernorm" else 1)
+def _norm_tensors(c) -> list[int]:
+    return [c.hidden_size] * (2 if c.normalization == "layernorm" else 1)
+
+
+def block_tensors(c, i: int, tp: int, ep: int = 1) -> tuple[list[int], list[int]]:
+    """``(dense, expert)`` parameter tensors (element counts) of block i on one rank: TP splits the QKV / MLP
+    columns and the output projections' rows; norms, output biases and the router are replicated; experts are
+    whole, E/ep per rank."""
+    h, d, nq, nkv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    qkv = (nq + 2 * nkv) * d
+    dense = [qkv * h // tp] + [qkv // tp] * c.use_qkv_bias + [nq * d * h // tp] + [h] * c.add_bias
+    dense += {None: [], "head": [d, d], "full": [nq * d // tp, nkv * d // tp]}[c.qk_norm]
+    dense += 2 * _norm_tensors(c)
+    swiglu = c.activation == "swiglu"
+    expert = []
+    if c.is_moe_layer(i):
+        fe, fs, E = c.expert_intermediate_size, c.shared_intermediate_size, c.num_experts
+        dense.append(E * h)
+        if fs:
+            dense += [(2 if swiglu else 1) * fs * h, h * fs] + [h] * c.shared_expert_gate
+        expert = [E // ep * (2 if swiglu else 1) * fe * h, E // ep * h * fe]
+    else:
+        f = c.intermediate_size
+        fc1_out = 2 * f if swiglu else f
+        dense += [fc1_out * h // tp] + [fc1_out // tp] * c.add_bias + [h * f // tp] + [h] * c.add_bias
+    return dense, expert
 
 
 def block_params(c, i: int, tp: int, ep: int = 1) -> tuple[int, int]:
-    """``(dense, expert)`` parameters of block i on one rank: TP splits the QKV / MLP columns and the output
-    projections' rows; norms, output biases and the router are replicated; experts are whole, E/ep per rank."""
-    h, d, nq, nkv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
-    qkv = (nq + 2 * nkv) * d
-    attn = (qkv * h + c.use_qkv_bias * qkv + nq * d * h) // tp + c.add_bias * h
-    attn += {None: 0, "head": 2 * d, "full": (nq + nkv) * d // tp}[c.qk_norm]
-    per_h = 3 if c.activation == "swiglu" else 2
-    if c.is_moe_layer(i):
-        fe, fs = c.expert_intermediate_size, c.shared_intermediate_size
-        dense = c.num_experts * h + per_h * h * fs + c.shared_expert_gate * h
-        expert = c.num_experts // ep * per_h * h * fe
-    else:
-        f = c.intermediate_size
-        fc1_out = 2 * f if c.activation == "swiglu" else f
-        dense, expert = (per_h * h * f + c.add_bias * fc1_out) // tp + c.add_bias * h, 0
-    return attn + 2 * _norm(c) + dense, expert
+    """``(dense, expert)`` parameters of block i on one rank."""
+    dense, expert = block_tensors(c, i, tp, ep)
+    return sum(dense), sum(expert)
 
 
-def embedding_params(c, tp: int) -> int:
-    learned = c.max_position_embeddings * c.hidden_size if c.position_embedding_type == "learned" else 0
-    return c.padded_vocab_size(tp) // tp * c.hidden_size + learned
+def embedding_tensors(c, tp: int) -> list[int]:
+    learned = [c.max_position_embeddings * c.hidden_size] if c.position_embedding_type == "learned" else []
+    return [c.padded_vocab_size(tp) // tp * c.hidden_size] + learned
+
+
+def spec_tensors(c, tp: int, ep: int = 1) -> list[tuple[list[int], list[int]]]:
+    """``(dense, expert)`` tensors per layer spec of ``zoo.models.gpt.layer_specs``: embedding, blocks, final
+    norm, head. A tied head is DeepSpeed's TiedLayerSpec: the last stage builds its own copy of the embedding."""
+    head = embedding_tensors(c, tp) if c.tie_word_embeddings else [c.padded_vocab_size(tp) // tp * c.hidden_size]
+    return ([(embedding_tensors(c, tp), [])] + [block_tensors(c, i, tp, ep) for i in range(c.num_hidden_layers)]
+            + [(_norm_tensors(c), []), (head, [])])
 
 
 def spec_params(c, tp: int, ep: int = 1) -> list[tuple[int, int]]:
-    """``(dense, expert)`` per layer spec of ``zoo.models.gpt.layer_specs``: embedding, blocks, final norm, head.
-    A tied head is DeepSpeed's TiedLayerSpec: the last stage builds its own copy of the embedding module."""
-    head = embedding_params(c, tp) if c.tie_word_embeddings else c.padded_vocab_size(tp) // tp * c.hidden_size
-    return ([(embedding_params(c, tp), 0)] + [block_params(c, i, tp, ep) for i in range(c.num_hidden_layers)]
-            + [(_norm(c), 0), (head, 0)])
+    """``(dense, expert)`` parameters per layer spec (what DeepSpeed's ``partition_method: parameters`` weighs)."""
+    return [(sum(d), sum(e)) for d, e in spec_tensors(c, tp, ep)]
 
 
 def partition_balanced(weights: list[int], parts: int) -> list[int]:
@@ -153,6 +172,7 @@ class Stage:
     blocks: tuple[int, ...]  # block indices on this stage
     dense: int  # parameters on one rank of this stage
     expert: int
+    persistent: int = 0  # of them, in tensors small enough for ZeRO-3 to keep whole (DeepSpeed's default)
 
 
 def stages(c, tp: int, pp: int, ep: int = 1, cache: dict | None = None) -> list[Stage]:
@@ -160,7 +180,8 @@ def stages(c, tp: int, pp: int, ep: int = 1, cache: dict | None = None) -> list[
     key = (tp, pp, ep)
     if cache is not None and key in cache:
         return cache[key]
-    counts = spec_params(c, tp, ep)
+    tensors = spec_tensors(c, tp, ep)
+    counts = [(sum(d), sum(e)) for d, e in tensors]
     bounds = partition_balanced([d + e for d, e in counts], pp) if pp > 1 else [0, len(counts)]
     out = []
     for s in range(pp):
@@ -168,8 +189,10 @@ def stages(c, tp: int, pp: int, ep: int = 1, cache: dict | None = None) -> list[
         blocks = tuple(i - 1 for i in range(lo, hi) if 1 <= i <= c.num_hidden_layers)
         tied_twice = pp == 1 and c.tie_word_embeddings  # one module holds the shared weight once
         idx = [i for i in range(lo, hi) if not (tied_twice and i == len(counts) - 1)]
+        small = sum(n for i in idx for n in tensors[i][0] + tensors[i][1] if n <= ZERO3_PERSISTENCE)
         out.append(Stage(index=s, first=lo == 0, last=hi == len(counts), blocks=blocks,
-                         dense=sum(counts[i][0] for i in idx), expert=sum(counts[i][1] for i in idx)))
+                         dense=sum(counts[i][0] for i in idx), expert=sum(counts[i][1] for i in idx),
+                         persistent=small))
     if cache is not None:
         cache[key] = out
     return out
@@ -180,28 +203,37 @@ def stages(c, tp: int, pp: int, ep: int = 1, cache: dict | None = None) -> list[
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def state_bytes(n: int, parts: int, zero: int, dtype: str, optimizer: str) -> tuple[float, float, float]:
-    """``(params, grads, optimizer)`` bytes of n parameters on one rank, ZeRO partitioning over ``parts`` ranks.
+def state_bytes(n: int, parts: int, zero: int, dtype: str, optimizer: str, micro_batches: int = 1,
+                persistent: int = 0, pipeline: bool = False) -> tuple[float, float, float]:
+    """``(params, grads, optimizer)`` bytes of n parameters on one rank, ZeRO partitioning over ``parts`` ranks,
+    as DeepSpeed holds them (measured by ``zoo.training.memory``; its reduction buckets are buffers, not here).
 
-    fp32: parameters and gradients fp32; DeepSpeed's ZeRO-1/2/3 optimizers keep an fp32 master copy of the rank's
-    partition even then (4 bytes, counted as optimizer state) beside the moments. bf16/fp16: 2-byte parameters
-    and gradients, fp32 master + moments (12 bytes with Adam) partitioned from ZeRO-1 on, plus the fp32 copy of
-    the rank's gradient partition the optimizer steps on (DeepSpeed's ZeRO-1/2/3); at ZeRO-0 DeepSpeed's
-    BF16_Optimizer accumulates full fp32 gradients (4 bytes) and partitions master + moments over dp already.
+    fp32: DeepSpeed's ZeRO-1/2/3 optimizers keep an fp32 master copy of the rank's partition even then (counted
+    as optimizer state, with the moments: 12 bytes per partitioned parameter with Adam); ZeRO-0 steps the
+    parameters themselves (8). Gradients: full at ZeRO 0/1; ZeRO-2 holds the partition's accumulated gradients and,
+    from the second micro-batch on, the new ones beside them; ZeRO-3 its gradient partition and the fp32 copy the
+    optimizer steps on. ZeRO-3 keeps tensors of <= 1e5 elements whole on every rank (``persistent``).
+    bf16/fp16: 2-byte parameters and gradients and an fp32 copy of the gradient partition for the step; without
+    ZeRO and pipeline DeepSpeed's FP16_UnfusedOptimizer keeps unpartitioned fp32 masters and moments (12 bytes)
+    and fp32 gradients (4 + 2); with a pipeline its BF16_Optimizer partitions them over dp.
     """
     p = DTYPE_BYTES[dtype]
-    moments = OPTIMIZER_STATE_BYTES[optimizer]
+    master = 4 + OPTIMIZER_STATE_BYTES[optimizer]
+    accumulating = 2 if micro_batches > 1 else 1
     if dtype == "fp32":
         if zero == 0:
-            return 4 * n, 4 * n, moments * n
-        params = 4 * n / parts if zero == 3 else 4 * n
-        grads = 4 * n / parts if zero >= 2 else 4 * n
-        return params, grads, (4 + moments) * n / parts
+            return 4 * n, 4 * n, (master - 4) * n
+        if zero == 3:
+            return 4 * n / parts + 4 * persistent, 8 * n / parts, master * n / parts
+        return 4 * n, 4 * n if zero == 1 else 4 * n / parts * accumulating, master * n / parts
     if zero == 0:
-        return p * n, 4 * n, (4 + moments) * n / parts
-    params = p * n / parts if zero == 3 else p * n
-    grads = (p * n / parts if zero >= 2 else p * n) + 4 * n / parts
-    return params, grads, (4 + moments) * n / parts
+        if not pipeline:
+            return p * n, (p + 4) * n, master * n
+        return p * n, 2 * p * n + 4 * n / parts, master * n / parts
+    if zero == 3:
+        return p * n / parts + p * persistent, (p + 4) * n / parts, master * n / parts
+    grads = p * n if zero == 1 else p * n / parts * accumulating
+    return p * n, grads + 4 * n / parts, master * n / parts
 
 
 def _dims(c, tp: int, sp: bool):
@@ -273,10 +305,13 @@ def head_activation_bytes(c, tp: int, sp: bool, dtype: str, tokens: int) -> floa
 
 
 def activation_bytes(c, stage: Stage, lay: Layout, dtype: str, seq: int, micro_batches: int,
-                     unfused: bool = False) -> float:
-    """Peak bytes saved for backward on one rank of a stage: 1F1B keeps min(p - k, m) micro-batches in flight on
-    stage k (the first stage the most); with full recomputation a block keeps only its input, and one block's
-    activations exist again while it is recomputed in backward."""
+                     unfused: bool = False, checkpoint_state_bytes: int = 5088) -> float:
+    """Peak bytes kept for backward on one rank of a stage. 1F1B keeps min(p - k, m) micro-batches in flight on
+    stage k (the first stage the most), each with what its blocks save, the token ids the embedding saves (first
+    stage) and, at pp > 1, the stage's output in DeepSpeed's pipe buffers (the last stage also still holds the
+    previous micro-batch's logits and labels there). With full recomputation a block keeps only its input and
+    DeepSpeed's generator states (``checkpoint_state_bytes``), and one block's activations exist again while it
+    is recomputed in backward."""
     tokens = lay.micro_batch * seq
     a = DTYPE_BYTES[dtype]
     kinds = {}  # blocks differ only by dense / MoE
@@ -285,12 +320,22 @@ def activation_bytes(c, stage: Stage, lay: Layout, dtype: str, seq: int, micro_b
             kinds[c.is_moe_layer(i)] = block_activation_bytes(c, i, lay.tp, lay.sp, dtype, tokens, seq, unfused,
                                                               lay.recompute == "selective")
     per = [kinds[c.is_moe_layer(i)] for i in stage.blocks]
+    hidden = tokens * a * c.hidden_size / (lay.tp if lay.sp else 1)  # a block's input
     head = head_activation_bytes(c, lay.tp, lay.sp, dtype, tokens) if stage.last else 0.0
+    fixed = 8 * tokens if stage.first else 0.0
+    once = 0.0
+    if lay.pp > 1:
+        if stage.last:  # this micro-batch's logits and labels, and still the previous one's
+            fixed += tokens * (c.padded_vocab_size(lay.tp) // lay.tp * a + 8)
+            once += tokens * (c.padded_vocab_size(lay.tp) // lay.tp * a + 8)
+        else:
+            fixed += hidden
     in_flight = min(lay.pp - stage.index, micro_batches)
-    if lay.recompute == "full":
-        kept = len(stage.blocks) * tokens * a * c.hidden_size / (lay.tp if lay.sp else 1)
-        return (kept + head) * in_flight + max(per, default=0.0)
-    return (sum(per) + head) * in_flight
+    if lay.recompute == "full":  # the peak: the last block's recomputation, or the head at the end of forward
+        kept = len(stage.blocks) * (hidden + checkpoint_state_bytes)
+        working = max(max(per, default=hidden) - hidden, head)
+        return (kept + fixed) * in_flight + working + once
+    return (sum(per) + head + fixed) * in_flight + once
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -355,13 +400,13 @@ def _block_cost(c, i: int, lay: Layout, job: Job, gpu: GPU) -> tuple:
     once more by selective recomputation, elementwise HBM bytes per pass, extra bytes of that recomputation,
     TP communication seconds of all passes, EP communication seconds of all passes)."""
     s, a, rc = job.seq_length, DTYPE_BYTES[job.dtype], 1 if lay.recompute == "full" else 0
-    tokens = lay.micro_batch * s
-    g, at = block_flops(c, i, s)
+    tokens = lay.micro_batch * s // lay.cp  # this rank's share of the micro-batch (context parallelism)
+    g, at = block_flops(c, i, s)  # every query still attends over the whole sequence
     gemm, attn_extra, extra_bytes = g * tokens / lay.tp, 0.0, 0.0
     elem = elementwise_bytes(c, i, lay.tp, lay.sp, job.dtype) * tokens
     if job.attention == "unfused":  # the whole s x s square is computed and streamed through HBM
         attn = at * tokens / lay.tp
-        scores = lay.micro_batch * c.num_attention_heads // lay.tp * s * s
+        scores = lay.micro_batch * c.num_attention_heads // lay.tp * s * s // lay.cp
         elem += scores * score_traffic(a, c.attention_dropout > 0) / 3  # per pass, as elem counts
         if lay.recompute == "selective":  # the attention core once more in backward
             attn_extra = at * tokens / lay.tp
@@ -372,6 +417,9 @@ def _block_cost(c, i: int, lay: Layout, job: Job, gpu: GPU) -> tuple:
     tp_comm = 0.0
     for kind in (("all_gather", "reduce_scatter") if lay.sp else ("all_reduce", "all_reduce")):
         tp_comm += (2 + rc) * _collective_time(tokens * c.hidden_size * a, lay.tp, kind, gpu, tp_inter)
+    if lay.cp > 1:  # Ulysses: q, k, v to heads-sharded whole sequences and the output back, each pass
+        size = tokens * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim // lay.tp * a
+        tp_comm += (2 + rc) * _collective_time(size, lay.cp, "all_to_all", gpu, _inter(lay.tp * lay.cp, gpu))
     ep_comm = 0.0
     if lay.ep > 1 and c.is_moe_layer(i):  # dispatch + combine all-to-alls
         size = tokens / lay.tp * c.num_experts_per_tok * c.hidden_size * a
@@ -384,9 +432,9 @@ def estimate(job: Job, lay: Layout, gpu: GPU, cache: dict | None = None) -> Esti
     from zoo.training.metrics import training_flops_per_token
 
     c, s, a = job.config, job.seq_length, DTYPE_BYTES[job.dtype]
-    parts, expert_parts = lay.dp, max(1, lay.dp // lay.ep)
+    parts, expert_parts = lay.dp * lay.cp, max(1, lay.dp * lay.cp // lay.ep)  # DeepSpeed's dp group: dp x cp
     m = job.global_batch // (lay.micro_batch * lay.dp)
-    tokens = lay.micro_batch * s
+    tokens = lay.micro_batch * s // lay.cp
     st = stages(c, lay.tp, lay.pp, lay.ep, cache)
     rc = 1 if lay.recompute == "full" else 0
     peak = (gpu.peak_tflops if a == 2 else gpu.fp32_peak) * 1e12
@@ -396,17 +444,18 @@ def estimate(job: Job, lay: Layout, gpu: GPU, cache: dict | None = None) -> Esti
 
     memory, stage_memory, stage_times, block_costs = None, [], [], {}
     for stage in st:
-        dense = state_bytes(stage.dense, parts, lay.zero, job.dtype, job.optimizer)
-        expert = state_bytes(stage.expert, expert_parts, lay.zero, job.dtype, job.optimizer)
-        act = activation_bytes(c, stage, lay, job.dtype, s, m, unfused)
+        pipe = lay.pp > 1
+        dense = state_bytes(stage.dense, parts, lay.zero, job.dtype, job.optimizer, m, stage.persistent, pipe)
+        expert = state_bytes(stage.expert, expert_parts, lay.zero, job.dtype, job.optimizer, m, 0, pipe)
+        act = activation_bytes(c, stage, lay, job.dtype, s // lay.cp, m, unfused, gpu.checkpoint_state_bytes)
         buffers = 0.0
-        if lay.zero in (1, 2):  # DeepSpeed's gradient bucket (contiguous_gradients), ZeRO-1 stages it in fp32
-            buffers += DEEPSPEED_BUCKET * (4 if lay.zero == 1 or a == 4 else a)
+        if lay.zero >= 1:  # DeepSpeed's reduction bucket (two with a pipeline), in the gradients' dtype
+            buffers += DEEPSPEED_BUCKET * (4 if a == 4 else a) * (2 if lay.pp > 1 and lay.zero < 3 else 1)
         if lay.zero == 3:  # a gathered block and the prefetched next one
             one_of_each = {c.is_moe_layer(i): i for i in stage.blocks}.values()
             buffers += 2 * max((sum(block_params(c, i, lay.tp, lay.ep)) for i in one_of_each), default=0) * a
-        if lay.pp > 1:  # DeepSpeed's pipe buffers: a received input and a sent output per in-flight micro-batch
-            buffers += 2 * min(lay.pp - stage.index, m) * tokens * c.hidden_size * a / (lay.tp if lay.sp else 1)
+        if lay.pp > 1:  # DeepSpeed's receive buffers: an activation and its gradient
+            buffers += 2 * tokens * c.hidden_size * a / (lay.tp if lay.sp else 1)
         if stage.last:  # logits and their fp32 gradient, alive around the loss
             buffers += tokens * c.padded_vocab_size(lay.tp) // lay.tp * (a + 4)
         mem = {"params": dense[0] + expert[0], "grads": dense[1] + expert[1], "optimizer": dense[2] + expert[2],
@@ -438,7 +487,7 @@ def estimate(job: Job, lay: Layout, gpu: GPU, cache: dict | None = None) -> Esti
         p2p = 0.0
         if lay.pp > 1:  # activations forward, their gradients backward (partitioned over TP by DeepSpeed / SP)
             p2p = 2 * _collective_time(tokens * c.hidden_size * a / lay.tp, 2, "p2p", gpu,
-                                       _inter(lay.tp * lay.dp * 2, gpu))
+                                       _inter(lay.tp * lay.cp * lay.dp * 2, gpu))
         stage_times.append((compute, tp_comm + ep_comm + p2p))
 
     slowest = max(stage_times, key=sum)
@@ -446,23 +495,25 @@ def estimate(job: Job, lay: Layout, gpu: GPU, cache: dict | None = None) -> Esti
     pipeline = (m + lay.pp - 1) * per_micro
     bubble = (lay.pp - 1) * per_micro
 
-    # data parallel, as DeepSpeed runs it: ZeRO-0/1 all-reduce (1: reduce-scatter + all-gather of the updated
-    # parameters, the same volume) the accumulated gradients once per step; ZeRO-2 reduce-scatters every
-    # micro-batch's gradients into the partitions and all-gathers parameters once; ZeRO-3 also all-gathers each
-    # block's parameters for every forward, backward and recomputed forward of every micro-batch.
+    # data parallel, as DeepSpeed runs it (its calls counted by zoo.parallel.comm_count, tests/parallel): ZeRO-0
+    # all-reduces the accumulated gradients once per step; ZeRO-1 too, then all-gathers the updated parameters
+    # (DeepSpeed reduces with an all-reduce, not a reduce-scatter); ZeRO-2 all-reduces every micro-batch's
+    # gradients, then all-gathers; ZeRO-3 reduce-scatters every micro-batch's gradients and all-gathers each
+    # block's parameters for every forward, backward and recomputed forward.
     fullest = max(st, key=lambda x: x.dense + x.expert)
     gbytes = 4 if a == 4 else a
-    dp_inter = _inter(lay.tp * lay.dp, gpu)
+    dp_inter = _inter(lay.tp * lay.cp * lay.dp, gpu)
     dp_time = 0.0
     for n, ranks in ((fullest.dense, parts), (fullest.expert, expert_parts)):
         if ranks <= 1 or n == 0:
             continue
-        if lay.zero <= 1:
-            dp_time += _collective_time(n * gbytes, ranks, "all_reduce", gpu, dp_inter)
-        else:
+        if lay.zero == 3:
             dp_time += m * _collective_time(n * gbytes, ranks, "reduce_scatter", gpu, dp_inter)
-            gathers = 1 if lay.zero == 2 else m * (2 + rc)
-            dp_time += gathers * _collective_time(n * a, ranks, "all_gather", gpu, dp_inter)
+            dp_time += m * (2 + rc) * _collective_time(n * a, ranks, "all_gather", gpu, dp_inter)
+            continue
+        dp_time += (m if lay.zero == 2 else 1) * _collective_time(n * gbytes, ranks, "all_reduce", gpu, dp_inter)
+        if lay.zero in (1, 2):
+            dp_time += _collective_time(n * a, ranks, "all_gather", gpu, dp_inter)
     # ZeRO-3 prefetches parameters and reduces gradients while the step computes (DeepSpeed's overlap_comm); the
     # other stages reduce outside the backward (zoo leaves overlap_comm off; the pipeline engine after its flush)
     dp_exposed = max(0.0, dp_time - pipeline) if lay.zero == 3 else dp_time
@@ -473,7 +524,7 @@ def estimate(job: Job, lay: Layout, gpu: GPU, cache: dict | None = None) -> Esti
     step = pipeline + dp_exposed + optimizer_time
     flops_eq3 = job.global_batch * s * training_flops_per_token(c, s, recompute=lay.recompute == "full")
     flops_model = job.global_batch * s * training_flops_per_token(c, s, recompute=False)
-    gpus = lay.tp * lay.pp * lay.dp
+    gpus = lay.tp * lay.pp * lay.dp * lay.cp
     time = {"compute": m * slowest[0] + optimizer_time, "communication": m * slowest[1] + dp_exposed,
             "bubble": bubble}
     total = sum(memory.values())

@@ -35,13 +35,16 @@ class GPU:
     gpus_per_node: int
     intra_node_gbps: float  # NVLink, per GPU and direction, GB/s
     inter_node_gbps: float  # network, per GPU and direction, GB/s
-    matmul_efficiency: float = 0.70
+    matmul_efficiency: float = 0.72
     attention_efficiency: float = 0.50
     bandwidth_efficiency: float = 0.80
     intra_latency_us: float = 10.0  # per collective or message
     inter_latency_us: float = 25.0
     reserved_gb: float = 2.5
     fp32_tflops: float | None = None  # fp32 GEMM rate (TF32 off); None: peak / 16
+    # what DeepSpeed's activation checkpointing keeps per block besides its input: the CPU generator's state
+    # (5,056 bytes), the device's and the model-parallel tracker's (16 bytes each on CUDA)
+    checkpoint_state_bytes: int = 5056 + 16 + 16
 
     @property
     def fp32_peak(self) -> float:
@@ -60,6 +63,12 @@ GPUS: dict[str, GPU] = {g.name: g for g in [
     GPU("b200", peak_tflops=2250.0, memory_gb=179.0, hbm_gbps=8000.0, gpus_per_node=8, intra_node_gbps=900.0,
         inter_node_gbps=50.0, fp32_tflops=75.0),
 ]}
+
+
+# A CPU host as the device (zoo's tests and laptop runs): only its memory figures are used, to hold the memory
+# model against runs measured on it. There DeepSpeed's "device" generator is the CPU's own.
+CPU = GPU("cpu", peak_tflops=1.0, memory_gb=16.0, hbm_gbps=20.0, gpus_per_node=1, intra_node_gbps=10.0,
+          inter_node_gbps=1.0, reserved_gb=0.0, checkpoint_state_bytes=3 * 5056)
 
 
 class HardwareError(ValueError):

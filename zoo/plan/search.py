@@ -57,20 +57,32 @@ def candidates(job: Job, gpu: GPU, fixed: dict | None = None, allow_cross_node_t
         for pp in divisors(job.gpus // tp):
             if pp > c.num_hidden_layers:
                 continue
-            dp = job.gpus // (tp * pp)
-            for ep in (divisors(dp) if moe else [1]):
-                if moe and c.num_experts % ep:
+            for cp in divisors(job.gpus // (tp * pp)):
+                if cp > 1 and not _cp_ok(c, job, tp, cp):
                     continue
-                for mb in divisors(job.global_batch // dp) if job.global_batch % dp == 0 else []:
-                    for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
-                        for sp in ((False, True) if tp > 1 and job.seq_length % tp == 0 else (False,)):
-                            for rc in RECOMPUTE:
-                                if rc == "selective" and job.attention != "unfused":
-                                    continue
-                                lay = Layout(tp=tp, pp=pp, dp=dp, ep=ep, zero=zero, micro_batch=mb, sp=sp,
-                                             recompute=rc)
-                                if all(getattr(lay, k) == v for k, v in fixed.items()):
-                                    yield lay
+                dp = job.gpus // (tp * pp * cp)
+                for ep in (divisors(dp) if moe else [1]):
+                    if moe and c.num_experts % ep:
+                        continue
+                    for mb in divisors(job.global_batch // dp) if job.global_batch % dp == 0 else []:
+                        yield from _variants(job, fixed, tp=tp, pp=pp, cp=cp, dp=dp, ep=ep, micro_batch=mb)
+
+
+def _cp_ok(c, job: Job, tp: int, cp: int) -> bool:
+    """Ulysses (zoo's default): cp divides each TP rank's query heads and the sequence."""
+    return (c.num_attention_heads // tp) % cp == 0 and job.seq_length % cp == 0
+
+
+def _variants(job: Job, fixed: dict, **axes):
+    tp, pp, s_local = axes["tp"], axes["pp"], job.seq_length // axes["cp"]
+    for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
+        for sp in ((False, True) if tp > 1 and s_local % tp == 0 else (False,)):
+            for rc in RECOMPUTE:
+                if rc == "selective" and job.attention != "unfused":
+                    continue
+                lay = Layout(**axes, zero=zero, sp=sp, recompute=rc)
+                if all(getattr(lay, k) == v for k, v in fixed.items()):
+                    yield lay
 
 
 def plan(job: Job, gpu: GPU, fixed: dict | None = None, allow_cross_node_tp: bool = False) -> list[Estimate]:

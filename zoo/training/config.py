@@ -78,6 +78,8 @@ class TrainingSection:
     max_skipped_steps: int = 3  # stop after this many non-finite steps in a row (each is skipped on every rank)
     collective_timeout_minutes: float = 10.0  # a collective waiting longer fails (a rank died or hangs), as Megatron's
     precision: str = "fp32"  # "fp32" | "bf16" | "fp16"
+    compile: bool = False  # torch.compile each block (GPT/BERT block, U-Net unit); the rest stays eager
+    compile_backend: str = "inductor"  # torch.compile's backend ("aot_eager": capture only, to debug)
     log_interval: int = 1
     eval_interval: int = 0  # evaluate on the validation split every N steps (and before step 1, and at the end); 0: never
     eval_iters: int = 4  # global batches per evaluation (always the same held-out samples)
@@ -317,6 +319,13 @@ def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = N
 
     if tr.precision not in ("fp32", "bf16", "fp16"):
         raise ConfigError(f"training.precision must be fp32, bf16 or fp16, got {tr.precision!r}")
+    if tr.compile:
+        import torch._dynamo
+
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        if tr.compile_backend not in backends + ["inductor"]:
+            raise ConfigError(f"training.compile_backend {tr.compile_backend!r} is not a torch.compile backend; "
+                              f"use one of {sorted(set(backends + ['inductor']))}")
     if tr.precision in ("fp16", "bf16"):
         from deepspeed.accelerator import get_accelerator
 

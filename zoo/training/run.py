@@ -41,6 +41,8 @@ class RunParser(argparse.ArgumentParser):
         self.add_argument("--cp-algorithm", choices=["ulysses", "ring"],
                           help="context-parallel attention: ulysses (all-to-all over heads, the default) or ring")
         self.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (pp > 1 allows 0 or 1)")
+        self.add_argument("--compile", action="store_const", const="true", default=None,
+                          help="torch.compile every block (training.compile: true); the first steps compile")
         self.add_argument("--steps", type=int, help="number of optimizer steps (the run's total, also when resuming)")
         self.add_argument("--eval-interval", type=int, metavar="N",
                           help=f"{eval_help} every N steps (also before step 1 and at the end); 0: never")

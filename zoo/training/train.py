@@ -76,6 +76,26 @@ def prepare_init(cfg: RunConfig, grid) -> Path | None:
     return folder
 
 
+def compile_blocks(module: torch.nn.Module, names, backend: str = "inductor") -> int:
+    """``torch.compile`` the ``forward`` of every block whose class is named in ``names`` (the family's
+    checkpointable layers), in place: parameter names, state dicts and checkpoints are unchanged, and the hooks
+    DeepSpeed puts on the module (ZeRO-3's parameter gathers) stay outside the graph. Embeddings, heads and the
+    loss stay eager (they hold the vocab-parallel collectives). Blocks of equal shapes share one graph
+    (``compiled_graphs`` in metrics.jsonl counts them: it stays flat after the first step)."""
+    names = set(names)
+    blocks = [m for m in module.modules() if type(m).__name__ in names]
+    for block in blocks:
+        block.forward = torch.compile(block.forward, backend=backend)
+    return len(blocks)
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process so far."""
+    import torch._dynamo.utils
+
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
 def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False, init_dir: Path | None = None):
     import deepspeed
 
@@ -104,6 +124,8 @@ def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False, init_
         module = SpecSequential(specs, base_seed=tr.seed, activation_checkpointing=par.activation_checkpointing,
                                 checkpointable_layers=family.checkpointable_layers)
         mpu = grid
+    if tr.compile:
+        compile_blocks(module, family.checkpointable_layers, tr.compile_backend)
     if init_dir is not None:  # this rank's slices of this stage's tensors, before DeepSpeed takes the module
         from zoo.convert.io import load_model
 
@@ -353,6 +375,7 @@ class RunResult:
     val_losses: list  # (step, val_loss) of each evaluation
     start_step: int
     engine: object = None
+    memory: dict | None = None  # the first step's measured bytes, lists by rank (zoo.training.memory)
 
 
 def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal: bool = False,
@@ -360,11 +383,15 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
     """Run from step 0 (or the checkpoint ``resume``) to ``cfg.training.steps``.
 
     Returns the per-step losses (on every rank), or a ``RunResult`` with the engine still alive when
-    ``keep_engine`` (the caller exports the model and calls ``destroy_engine(engine)``).
+    ``keep_engine`` (the caller exports the model and calls ``destroy_engine(engine)``). The first step run here is
+    measured (``zoo.training.memory``): its record in metrics.jsonl holds ``memory_bytes``, ``RunResult.memory``
+    the same, and global rank 0 logs a summary line at the end.
     """
     from deepspeed.accelerator import get_accelerator
 
     from zoo.training import checkpoint as ckpt
+    from zoo.parallel.comm_count import CommCounter
+    from zoo.training import memory as mem
     from zoo.training.metrics import device_name, peak_memory_gb, peak_tflops, resident_memory_gb
     from zoo.training.moe import MoETraining
     from zoo.training.nonfinite import NonFiniteSteps
@@ -432,38 +459,43 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
     flops_per_step = None if flops_per_sample is None else cfg.global_batch_size * flops_per_sample
     peak = peak_tflops(device_name(), tr.precision)
     losses, t_start = [], time.perf_counter()
+    first_step, memory_bytes = mem.FirstStep(engine), None
     bar = None
     if progress and grid.rank == 0 and start < tr.steps:
-        from tqdm import tqdm
+        from zoo.progress import progress_bar
 
-        bar = tqdm(total=tr.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr,
-                   mininterval=1.0)
-        log = bar.write
+        bar = progress_bar(total=tr.steps, initial=start, desc="train", unit="step", mininterval=1.0)
+        log = bar.write  # on a terminal above the bar, in a log file plain lines (zoo.progress)
     if start == 0:
         run_eval(0)
     step = start
     with ExitRequest() as exit_request, collectives_guarded(grid, lambda: step + 1, tr.collective_timeout_minutes), \
-            contextlib.closing(bar) if bar is not None else contextlib.nullcontext():  # its line ends on an error too
+            bar if bar is not None else contextlib.nullcontext(), \
+            CommCounter(grid) as comm:  # bar: lines printed go above it; closed on an error too
         for step in range(start, tr.steps):
             t0 = time.perf_counter()
             lr = engine.get_lr()[0]  # the rate this step uses
             if moe is not None:
                 moe.before_step(engine, tr.precision)
-            if grid.pp > 1:
-                loss = engine.train_batch(data_iter=batches(step))
-            else:
-                total = torch.zeros((), device=device)
-                for ids, labels in batches(step):
-                    micro_loss = loss_fn(engine(ids), labels)
-                    engine.backward(micro_loss)
-                    engine.step()
-                    total += micro_loss.detach().float()
-                loss = total / gas
-                if grid.dp > 1:
-                    dist.all_reduce(loss, group=grid.dp_group)
-                    loss /= grid.dp
+            with first_step.measuring() if step == start else contextlib.nullcontext():
+                if grid.pp > 1:
+                    loss = engine.train_batch(data_iter=batches(step))
+                else:
+                    total = torch.zeros((), device=device)
+                    for ids, labels in batches(step):
+                        micro_loss = loss_fn(engine(ids), labels)
+                        engine.backward(micro_loss)
+                        engine.step()
+                        total += micro_loss.detach().float()
+                    loss = total / gas
+                    if grid.dp > 1:
+                        dist.all_reduce(loss, group=grid.dp_group)
+                        loss /= grid.dp
             loss = float(loss)
             dt = time.perf_counter() - t0
+            if step == start:
+                memory_bytes = first_step.gather()
+            comm_bytes, comm_calls = comm.take()
             losses.append(loss)
             grad_norm = engine.get_global_grad_norm()
             tflops = None if flops_per_step is None else flops_per_step / dt / grid.world_size / 1e12
@@ -473,9 +505,12 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
                       f"{family.unit}_per_s": rate, "tflops_per_device": tflops,
                       "mfu": None if peak is None or tflops is None else tflops / peak,
                       "peak_memory_gb": peak_memory_gb(), "rss_gb": resident_memory_gb(), "step_time_s": dt,
+                      "comm_bytes": comm_bytes, "comm_calls": comm_calls,
+                      **({"compiled_graphs": compiled_graphs()} if tr.compile else {}),
                       **reduced_stats(loss_fn, family),
                       **(moe.after_step() if moe is not None else {}),
-                      **nonfinite.after_step(step + 1, loss, out / ckpt.CHECKPOINTS)}
+                      **nonfinite.after_step(step + 1, loss, out / ckpt.CHECKPOINTS),
+                      **({"memory_bytes": memory_bytes} if step == start else {})}
             metrics.write(record)
             if record["skipped"] and grid.rank == 0:
                 log(f"step {step + 1}: loss {loss:.4g}, gradients not finite on some rank: skipped on every rank "
@@ -505,11 +540,13 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
                 break
     if bar is not None:
         bar.close()
+    if grid.rank == 0 and memory_bytes is not None:
+        log(mem.summary(memory_bytes))
     if grid.rank == 0 and metrics.records:
         metrics.image("loss_curve", plot_losses(metrics.records, out / "loss.png"), metrics.records[-1]["step"])
     metrics.close()
     if keep_engine:
-        return RunResult(losses, val_losses, start, engine)
+        return RunResult(losses, val_losses, start, engine, memory_bytes)
     destroy_engine(engine)  # frees DeepSpeed's hooks and buffers; tests train many engines in one process
     return losses
 
@@ -533,6 +570,7 @@ def config_from_args(args) -> RunConfig:
     overrides = list(args.set)
     for flag, key in (("tp", "parallel.tp"), ("pp", "parallel.pp"), ("ep", "parallel.ep"), ("cp", "parallel.cp"),
                       ("cp_algorithm", "parallel.cp_algorithm"), ("zero", "parallel.zero_stage"),
+                      ("compile", "training.compile"),
                       ("steps", "training.steps"), ("eval_interval", "training.eval_interval"),
                       ("save_interval", "training.save_interval"), ("init", "training.init_from"), ("out", "out")):
         value = getattr(args, flag)
