@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.training.test_gpt_layouts import COMMON, reference
+from tests.training.test_gpt_layouts import COMMON, layout_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,7 +25,7 @@ def _free_port():
 
 
 def test_accelerate_launch_tp2_equals_the_single_process_run(dist_run, tmp_path):
-    expected = reference(dist_run, "gpt2")
+    expected = layout_run(dist_run, "gpt2", "single", ["training.steps=5"])[0][0]  # the README's --steps 5
     out = tmp_path / "run"
     # --multi_gpu: on a machine without several GPUs accelerate's launcher starts N processes only with it.
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",

@@ -1,6 +1,6 @@
 """BERT pretraining (MLM + NSP) trains the same model in every (tp, pp, dp) layout as in one process.
 
-Each run trains 5 steps (fp32, no dropout) on synthetic sentence pairs whose batches hold padding; losses must agree
+Each run trains 3 steps (fp32, no dropout) on synthetic sentence pairs whose batches hold padding; losses must agree
 with the single-process run within 1e-5 relative at every step, and the MLM/NSP accuracies (from the loss's sums
 reduced over all ranks) must agree too. Then: a tp=2 checkpoint resumes at tp=1 x pp=2 through DeepSpeed's universal
 checkpoint (BERT's own TP patterns), and launch/train.py runs the default config end to end on the embedded corpus.
@@ -19,7 +19,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs/bert/tiny.yaml"
-STEPS = 5
+STEPS = 3
 COMMON = [f"training.steps={STEPS}", "training.micro_batch_size=2", "training.global_batch_size=8",
           "training.seq_length=32", "training.lr=3e-3", "training.warmup_steps=1", "data.source=synthetic",
           "training.save=false", "training.eval_interval=0", "training.log_interval=1", "parallel.zero_stage=0",

@@ -38,6 +38,10 @@ def check_run_folder(out: Path, log: str):
     assert [r["step"] for r in train] == list(range(1, 7))
     assert [r["step"] for r in valid] == [0, 3, 6]
     assert all(abs(r["val_ppl"] - 2.718281828 ** r["val_loss"]) < 1e-6 * r["val_ppl"] for r in valid)
+    # bits per byte: the loss in bits over the UTF-8 bytes per token of the evaluated text (the pydoc corpus is
+    # ASCII-heavy English: a 512-token BPE holds about 2.5-3.5 bytes per token)
+    ratios = {round(r["val_loss"] / 0.6931471805599453 / r["val_bpb"], 9) for r in valid}
+    assert len(ratios) == 1 and 2.0 < ratios.pop() < 4.5
     for key in ("lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu", "peak_memory_gb", "step_time_s"):
         assert key in train[0], key
     assert valid[-1]["val_loss"] < valid[0]["val_loss"]

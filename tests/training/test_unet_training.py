@@ -1,6 +1,6 @@
 """The U-Net families through the training run: layouts against one process, metrics, pictures, resume, errors.
 
-Each layout run trains 5 steps through ``zoo.training.train.train`` from the same seed on the same global batch;
+Each layout run trains 3 steps through ``zoo.training.train.train`` from the same seed on the same global batch;
 losses must agree with the single-process run within 1e-5 relative at every step (fp32), on the gloo pools of
 1, 2 and 4 ranks. The short end-to-end runs call ``launch/train.py``'s ``main`` in this process (a world of one).
 """
@@ -14,7 +14,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = {"seg": ROOT / "configs/unet/segmentation.yaml", "diffusion": ROOT / "configs/unet/diffusion.yaml"}
-STEPS = 5
+STEPS = 3
 COMMON = [f"training.steps={STEPS}", "training.micro_batch_size=2", "training.global_batch_size=4",
           "training.lr=3e-3", "training.warmup_steps=1", "training.save=false", "training.eval_interval=0",
           "training.log_interval=1", "parallel.zero_stage=0"]

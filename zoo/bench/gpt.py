@@ -697,7 +697,10 @@ def summary_line(report: StyleReport) -> str:
 def main_tp(args, styles, accel, device, dtype, threads, threads_before, log) -> int:
     from zoo.parallel.topology import destroy_model_parallel, initialize_model_parallel
 
+    import torch.distributed as dist
+
     rows = []
+    started_dist = not (dist.is_available() and dist.is_initialized())  # a caller's process group stays
     try:
         grid = initialize_model_parallel(args.tp, 1)
         say = log if grid.rank == 0 else (lambda line: None)
@@ -717,7 +720,8 @@ def main_tp(args, styles, accel, device, dtype, threads, threads_before, log) ->
         return 1
     finally:
         torch.set_num_threads(threads_before)
-        destroy_model_parallel()
+        if started_dist:
+            destroy_model_parallel()
     return 0
 
 

@@ -445,6 +445,8 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
         extra = {f"val_{k}": v for k, v in reduced_stats(loss_fn, family).items()}
         record = {"step": step, "val_loss": val, **({"val_ppl": math.exp(min(val, 50.0))} if family.unit == "tokens"
                                                     else {}), **extra}
+        if data.bytes_per_token:  # nats per token -> bits per byte of text
+            record["val_bpb"] = val / math.log(2) / data.bytes_per_token
         metrics.write(record, prefix="val")
         picture = family.after_evaluation(engine, cfg, grid, data, step)  # collective: e.g. a U-Net's mask grid
         metrics.image("val/predictions", picture, step)

@@ -28,6 +28,7 @@ class Data:
     train: Any
     valid: Any | None
     tokenizer_dir: str | None = None
+    bytes_per_token: float | None = None  # UTF-8 bytes per label token of the evaluated samples (bits per byte)
 
 
 class Family:

@@ -10,6 +10,22 @@ from zoo.training.families import Data, Family
 SOURCES = ("embedded", "indexed", "synthetic", "instruct")  # instruct: launch/finetune.py (zoo.data.instruct)
 
 
+def evaluated_bytes_per_token(valid, tokenizer_dir, cfg) -> float | None:
+    """UTF-8 bytes per label token of the samples an evaluation reads (the first ``eval_iters`` global batches of
+    the validation set), from the tokenizer's own decoding: validation loss / ln 2 / this is bits per byte, which
+    compares runs whatever their vocabularies (val_bpb in metrics.jsonl)."""
+    if valid is None or tokenizer_dir is None or not cfg.training.eval_interval:
+        return None
+    from zoo.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    count = min(len(valid), cfg.training.eval_iters * cfg.global_batch_size)
+    labels = [valid[i][1:].tolist() for i in range(count)]
+    n_bytes = sum(len(tokenizer.decode(ids).encode("utf-8")) for ids in labels)
+    n_tokens = sum(len(ids) for ids in labels)
+    return n_bytes / n_tokens if n_tokens and n_bytes else None
+
+
 class GPTFamily(Family):
     name = "gpt"
     checkpointable_layers = ("GPTBlock",)
@@ -147,7 +163,7 @@ class GPTFamily(Family):
         train, valid = build_gpt_datasets([str(p) for p in paths], tr.seq_length, tr.seed,
                                           valid_fraction=data.valid_fraction,
                                           valid_paths=[str(p) for p in data.valid_paths] if data.valid_paths else None)
-        return Data(train, valid, tokenizer)
+        return Data(train, valid, tokenizer, evaluated_bytes_per_token(valid, tokenizer, cfg))
 
     def after_training(self, model_dir, log, prompt: str = "The ", max_new_tokens: int = 48) -> None:
         """Greedy continuation of ``prompt`` by the exported model, in this process alone (any training layout).
