@@ -7,6 +7,7 @@ Every fp32 run is kept (``layout_run``): the communication counts below and the 
 """
 
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -88,11 +89,10 @@ def test_layout_matches_single_process(dist_run, tmp_path, model, layout):
     assert expected[-1] < expected[0], f"the reference run must learn: {expected}"
 
 
-# bf16 (DeepSpeed's bf16 optimizers, zoo's fp32 statistics) with the Llama blocks in one process, each parallel
-# dimension alone and the layout that combines the most; GPT-2's blocks (LayerNorm, GELU, learned positions) in one
-# process and that combined layout (the fp32 tests above cover every layout of both).
-BF16_CASES = [("llama", layout) for layout in ["single", "tp2-sp", "pp2", "dp2-zero1", "dp2-zero3",
-                                                "tp2-pp2-sp-recompute-zero1"]] + \
+# bf16 (DeepSpeed's bf16 optimizers, zoo's fp32 statistics) in one process, under ZeRO-3 and in the layout that
+# combines tp, pp, SP, recomputation and ZeRO-1, with the Llama blocks and GPT-2's (LayerNorm, GELU, learned
+# positions); the fp32 tests above cover every layout of both.
+BF16_CASES = [("llama", layout) for layout in ["single", "dp2-zero3", "tp2-pp2-sp-recompute-zero1"]] + \
     [("gpt2", "single"), ("gpt2", "tp2-pp2-sp-recompute-zero1")]
 
 
@@ -168,8 +168,14 @@ def test_communication_equals_the_closed_form(dist_run, layout):
 # take a cold machine ~20 s per block shape, so the layouts beyond one process capture with aot_eager: what a
 # layout can break (DeepSpeed's hooks around the compiled forward, SP's collectives, the pipeline's calls,
 # recompilation) is in the capture; the kernels are the same for a block of the same shapes.
-@pytest.mark.parametrize("layout,backend", [("single", "inductor"), ("tp2-sp", "aot_eager"), ("pp2", "aot_eager"),
-                                            ("dp2-zero3", "aot_eager")])
+# tp2+SP and ZeRO-3 cost ~30 s more (SP's collectives break the graph into 26 pieces, each traced on both ranks):
+# they run with ZOO_FULL_TESTS=1 (both pass, with inductor too, by hand); the suite keeps one process and pp2.
+FULL = pytest.mark.skipif(not os.environ.get("ZOO_FULL_TESTS"), reason="~30 s; set ZOO_FULL_TESTS=1")
+
+
+@pytest.mark.parametrize("layout,backend", [("single", "inductor"), ("pp2", "aot_eager"),
+                                            pytest.param("tp2-sp", "aot_eager", marks=FULL),
+                                            pytest.param("dp2-zero3", "aot_eager", marks=FULL)])
 def test_compiled_blocks_train_like_eager(dist_run, layout, backend):
     expected = reference(dist_run, "gpt2")
     losses, records = layout_run(dist_run, "gpt2", layout, ["training.compile=true",

@@ -301,6 +301,7 @@ def plot_losses(records: list[dict], path: Path) -> Path | None:
     if not train and not valid:
         return None
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    fig.subplots_adjust(left=0.1, right=0.97, bottom=0.13, top=0.96)  # fixed margins: tight_layout costs 0.1 s
     if train:
         ax.plot(*zip(*train), label="train", linewidth=1)
     if valid:
@@ -309,7 +310,6 @@ def plot_losses(records: list[dict], path: Path) -> Path | None:
     ax.set_ylabel("cross entropy (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
     return path

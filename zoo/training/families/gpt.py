@@ -165,11 +165,11 @@ class GPTFamily(Family):
                                           valid_paths=[str(p) for p in data.valid_paths] if data.valid_paths else None)
         return Data(train, valid, tokenizer, evaluated_bytes_per_token(valid, tokenizer, cfg))
 
-    def after_training(self, model_dir, log, prompt: str = "The ", max_new_tokens: int = 48) -> None:
-        """Greedy continuation of ``prompt`` by the exported model, in this process alone (any training layout).
-
-        Reading the exported folder back also proves the export: what is printed comes from the files on disk.
-        """
+    def after_training(self, model_dir, log, prompts=("The ", "def ", "To "), max_new_tokens: int = 48) -> None:
+        """Continuations of a few prompts by the exported model, in this process alone (any training layout),
+        sampled (temperature 0.8, top-k 40, a fixed seed): a small model's greedy text repeats one token, which
+        shows nothing. Reading the exported folder back also proves the export: what is printed comes from the
+        files on disk."""
         import torch
 
         from zoo.convert.io import load_model, read_config
@@ -185,10 +185,13 @@ class GPTFamily(Family):
         load_model(model_dir, model)
         model.eval()
         tok = load_tokenizer(model_dir)
-        ids = torch.tensor([tok.encode(prompt)])
-        out = Generator(model).generate(ids, max_new_tokens=max_new_tokens, sampling=SamplingOptions(greedy=True),
-                                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        log("sample (greedy): " + repr(prompt + tok.decode(out.tokens[0, ids.shape[1]:].tolist())))
+        sampling = SamplingOptions(greedy=False, temperature=0.8, top_k=40, seed=0)
+        for prompt in prompts:
+            ids = torch.tensor([tok.encode(prompt)])
+            out = Generator(model).generate(ids, max_new_tokens=max_new_tokens, sampling=sampling,
+                                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+            log("sample (temperature 0.8, top-k 40): "
+                + repr(prompt + tok.decode(out.tokens[0, ids.shape[1]:].tolist())))
 
 
 FAMILY = GPTFamily()
