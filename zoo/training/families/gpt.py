@@ -167,7 +167,7 @@ class GPTFamily(Family):
 
     def after_training(self, model_dir, log, prompts=("The ", "def ", "To "), max_new_tokens: int = 48) -> None:
         """Continuations of a few prompts by the exported model, in this process alone (any training layout),
-        sampled (temperature 0.8, top-k 40, a fixed seed): a small model's greedy text repeats one token, which
+        sampled (temperature 0.8, top-k 40, seed = the prompt's number): a small model's greedy text repeats one token, which
         shows nothing. Reading the exported folder back also proves the export: what is printed comes from the
         files on disk."""
         import torch
@@ -185,8 +185,8 @@ class GPTFamily(Family):
         load_model(model_dir, model)
         model.eval()
         tok = load_tokenizer(model_dir)
-        sampling = SamplingOptions(greedy=False, temperature=0.8, top_k=40, seed=0)
-        for prompt in prompts:
+        for n, prompt in enumerate(prompts):
+            sampling = SamplingOptions(greedy=False, temperature=0.8, top_k=40, seed=n)
             ids = torch.tensor([tok.encode(prompt)])
             out = Generator(model).generate(ids, max_new_tokens=max_new_tokens, sampling=sampling,
                                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
