@@ -694,35 +694,22 @@ def summary_line(report: StyleReport) -> str:
     return line
 
 
-def main_tp(args, styles, accel, device, dtype, threads, threads_before, log) -> int:
-    from zoo.parallel.topology import destroy_model_parallel, initialize_model_parallel
+def run_tp(args, styles, accel, device, dtype, log) -> None:
+    """``--tp N``: zoo alone on a grid of N tensor-parallel ranks; rank 0 prints (and with --json writes)."""
+    from zoo.parallel.topology import initialize_model_parallel
 
-    import torch.distributed as dist
-
-    rows = []
-    started_dist = not (dist.is_available() and dist.is_initialized())  # a caller's process group stays
-    try:
-        grid = initialize_model_parallel(args.tp, 1)
-        say = log if grid.rank == 0 else (lambda line: None)
-        say(f"device {accel.current_device_name()} x {grid.world_size}, tp={grid.tp}, {args.dtype}, "
-            f"{args.warmup} warm-up + {args.steps} timed steps (median)")
-        for style in styles:
-            rows += benchmark_tp(style, args, accel, device, dtype, grid, say)
-        if grid.rank == 0 and args.json:
-            text = json.dumps({"tp": grid.tp, "device": accel.current_device_name(), "dtype": args.dtype,
-                               "results": rows})
-            if args.json != "-":
-                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.json).write_text(text + "\n")
-            log(text)
-    except (ValueError, FloatingPointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    finally:
-        torch.set_num_threads(threads_before)
-        if started_dist:
-            destroy_model_parallel()
-    return 0
+    grid = initialize_model_parallel(args.tp, 1)
+    say = log if grid.rank == 0 else (lambda line: None)
+    say(f"device {accel.current_device_name()} x {grid.world_size}, tp={grid.tp}, {args.dtype}, "
+        f"{args.warmup} warm-up + {args.steps} timed steps (median)")
+    rows = [row for style in styles for row in benchmark_tp(style, args, accel, device, dtype, grid, say)]
+    if grid.rank == 0 and args.json:
+        text = json.dumps({"tp": grid.tp, "device": accel.current_device_name(), "dtype": args.dtype,
+                           "results": rows})
+        if args.json != "-":
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(text + "\n")
+        log(text)
 
 
 def main(argv=None) -> int:
@@ -774,9 +761,10 @@ def main(argv=None) -> int:
     started_dist = not (dist.is_available() and dist.is_initialized())
     log = lambda s: print(s, flush=True)  # noqa: E731
     reports: list[StyleReport] = []
-    if args.tp > 1:
-        return main_tp(args, styles, accel, device, dtype, threads, threads_before, log)
     try:
+        if args.tp > 1:
+            run_tp(args, styles, accel, device, dtype, log)
+            return 0
         initialize_model_parallel(1, 1)  # a world of one: zoo's layers take their single-rank path
         log(f"device {accel.current_device_name()} ({threads} CPU threads), {args.dtype}, AdamW lr {args.lr}, "
             f"{args.warmup} warm-up + {args.steps} timed steps per model (median), steps of the two models "
