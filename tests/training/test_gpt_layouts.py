@@ -184,3 +184,31 @@ def test_compiled_blocks_train_like_eager(dist_run, layout, backend):
         torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(expected), rtol=1e-5, atol=0)
     graphs = [r["compiled_graphs"] for r in records if "compiled_graphs" in r]
     assert len(graphs) == STEPS and graphs[0] > 0 and len(set(graphs)) == 1, graphs
+
+
+# training.fused_cross_entropy: the LM head and the loss in chunks of tokens (zoo.parallel.cross_entropy) train
+# the model of the unfused runs above: one process (tied GPT-2 head, untied Llama head), the tied head on the other
+# pipeline stage, and TP with SP (the head's SP gather, vocabulary shards). The tiny runs fit in one chunk, so
+# TP+SP makes exactly the unfused run's collectives.
+@pytest.mark.parametrize("model,layout", [("gpt2", "single"), ("llama", "single"), ("gpt2", "pp2"),
+                                          ("gpt2", "tp2-sp")])
+def test_fused_cross_entropy_trains_like_unfused(dist_run, model, layout):
+    expected = reference(dist_run, model)
+    losses, records = layout_run(dist_run, model, layout, ["training.fused_cross_entropy=true"])
+    for rank_losses in losses:
+        torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(expected), rtol=1e-5, atol=0)
+    if layout == "tp2-sp":
+        unfused = layout_run(dist_run, model, layout)[1]
+        assert [r["comm_bytes"] for r in records if "comm_bytes" in r] == \
+            [r["comm_bytes"] for r in unfused if "comm_bytes" in r]
+
+
+def test_fused_cross_entropy_is_refused_where_it_cannot_work():
+    from zoo.training.config import ConfigError, load, validate
+
+    cfg = load(CONFIGS["gpt2"], COMMON + ["training.fused_cross_entropy=true", "parallel.zero_stage=3"])
+    with pytest.raises(ConfigError, match="ZeRO-3"):
+        validate(cfg, 2)
+    cfg = load(ROOT / "configs/bert/tiny.yaml", ["training.fused_cross_entropy=true"])
+    with pytest.raises(ConfigError, match="gpt family"):
+        validate(cfg, 1)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +47,7 @@ from zoo.parallel.context_parallel import (
     sequence_positions,
     ulysses_attention,
 )
-from zoo.parallel.cross_entropy import vocab_parallel_cross_entropy
+from zoo.parallel.cross_entropy import linear_cross_entropy_sum, vocab_parallel_cross_entropy
 from zoo.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -309,6 +310,9 @@ class ParallelOptions:
     ep_group: object = field(default=None, repr=False)  # expert parallelism (zoo.models.moe); None: no EP
     cp_group: object = field(default=None, repr=False)  # context parallelism; None: no CP
     cp_algorithm: str = "ulysses"  # "ulysses" (heads over CP) | "ring" (key/value blocks around CP)
+    # The LM head returns LMHeadInputs(hidden, weight) and GPTLoss runs head + loss in token chunks
+    # (zoo.parallel.cross_entropy.linear_cross_entropy_sum): no [tokens, V] logits. For training only.
+    fused_cross_entropy: bool = False
 
     def __post_init__(self):
         if self.cp_algorithm not in CP_ALGORITHMS:
@@ -668,11 +672,22 @@ def lm_logits(embedding: GPTEmbedding, hidden):
     return _parallel_logits(hidden, embedding.word_embeddings.weight, embedding.par)
 
 
+class LMHeadInputs(NamedTuple):
+    """What the LM head hands the loss with ``ParallelOptions.fused_cross_entropy``: its input as the GEMM would
+    see it (TP-copied / SP-gathered, ``[b, s, h]``) and this rank's ``[V/tp, h]`` weight, so the loss computes the
+    logits itself, a chunk of tokens at a time."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+
+
 def _parallel_logits(hidden, weight, par: ParallelOptions):
     if par.sequence_parallel:
         hidden = gather_from_sequence_parallel_region(hidden, par.tp_group, tensor_parallel_output_grad=True)
     else:
         hidden = copy_to_tensor_model_parallel_region(hidden, par.tp_group)
+    if par.fused_cross_entropy:
+        return LMHeadInputs(hidden, weight)
     return F.linear(hidden, weight)
 
 
@@ -689,6 +704,8 @@ class GPTLMHead(nn.Module):
         self.linear.weight.unpadded_size = config.vocab_size
 
     def forward(self, hidden):
+        if self.par.fused_cross_entropy:
+            return _parallel_logits(hidden, self.linear.weight, self.par)
         return self.linear(hidden)
 
 
@@ -757,7 +774,13 @@ class GPTLoss:
         self.cp_group = cp_group
 
     def __call__(self, logits, labels):
-        losses = vocab_parallel_cross_entropy(logits, labels, label_smoothing=self.label_smoothing,
-                                              ignore_index=self.ignore_index, vocab_size=self.vocab_size,
-                                              tp_group=self.tp_group)
-        return context_parallel_mean(losses.sum(), (labels != self.ignore_index).sum(), self.cp_group)
+        """``logits``: the vocab-sharded logits, or the head's :class:`LMHeadInputs` (fused cross entropy)."""
+        if isinstance(logits, LMHeadInputs):
+            total = linear_cross_entropy_sum(logits.hidden, logits.weight, labels, label_smoothing=self.label_smoothing,
+                                             ignore_index=self.ignore_index, vocab_size=self.vocab_size,
+                                             tp_group=self.tp_group)
+        else:
+            total = vocab_parallel_cross_entropy(logits, labels, label_smoothing=self.label_smoothing,
+                                                 ignore_index=self.ignore_index, vocab_size=self.vocab_size,
+                                                 tp_group=self.tp_group).sum()
+        return context_parallel_mean(total, (labels != self.ignore_index).sum(), self.cp_group)

@@ -112,3 +112,118 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
                          "logits must be target's shape plus a vocabulary dimension")
     group = get_tensor_model_parallel_group() if tp_group is None else tp_group
     return _VocabParallelCrossEntropy.apply(logits_shard, target, label_smoothing, ignore_index, vocab_size, group)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The LM head and the cross entropy in one pass over token chunks (no [tokens, V] logits kept)
+# ---------------------------------------------------------------------------------------------------------------
+
+# Logit elements per chunk: on a CPU the chunk's logits stay in the last-level cache (8 MB in fp32) while the loss
+# and its gradient are computed; on an accelerator the chunk only bounds memory, so it is larger (fewer launches).
+CPU_CHUNK_ELEMENTS = 1 << 21
+ACCELERATOR_CHUNK_ELEMENTS = 1 << 26
+
+
+class _LinearCrossEntropySum(torch.autograd.Function):
+    """Sum over the tokens of ``cross_entropy(hidden @ weight.T, target)`` with vocab-sharded ``weight``.
+
+    The gradients are computed in the forward pass, chunk by chunk, while each chunk's logits are at hand: a summed
+    loss has the same upstream gradient for every token, so ``d loss / d logits`` of a chunk is known there and the
+    two backward GEMMs follow at once. Backward only scales the stored gradients by the upstream scalar.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, label_smoothing, ignore_index, vocab_size, group, chunk, need_grad):
+        rank, world = group_rank_and_size(group)
+        local_v, width = weight.shape
+        start = rank * local_v
+        num_classes = local_v * world if vocab_size is None else vocab_size
+        pad_from = max(0, min(local_v, num_classes - start))  # local columns >= pad_from are vocabulary padding
+        h2 = hidden.reshape(-1, width)
+        t1 = target.reshape(-1)
+        n = h2.shape[0]
+        eps = label_smoothing
+        acc = torch.float64 if weight.dtype == torch.float64 else torch.float32  # the loss's dtype (fp32 at most)
+        total = torch.zeros((), dtype=acc, device=hidden.device)
+        grad_hidden = torch.empty_like(h2) if need_grad else None
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_grad else None
+        for lo in range(0, n, chunk):
+            hc, tc = h2[lo:lo + chunk], t1[lo:lo + chunk]
+            z = torch.mm(hc, weight.t()).to(acc)  # [c, V/p]
+            if pad_from < local_v:
+                z[:, pad_from:] = float("-inf")
+            z_max = z.amax(dim=-1)
+            _all_reduce(z_max, dist.ReduceOp.MAX, group, world)
+            z -= z_max.unsqueeze(-1)
+            ignored = tc == ignore_index
+            outside = (tc < start) | (tc >= start + local_v) | ignored
+            local_t = (tc - start).masked_fill(outside, 0)
+            z_t = z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+            _all_reduce(z_t, dist.ReduceOp.SUM, group, world)
+            if eps > 0:
+                z_sum = z[:, :pad_from].sum(dim=-1)
+                _all_reduce(z_sum, dist.ReduceOp.SUM, group, world)
+            z.exp_()
+            sum_exp = z.sum(dim=-1)
+            _all_reduce(sum_exp, dist.ReduceOp.SUM, group, world)
+            log_sum_exp = sum_exp.log()
+            loss = log_sum_exp - z_t
+            if eps > 0:
+                loss = (1.0 - eps) * loss + eps * (log_sum_exp - z_sum / num_classes)
+            total += loss.masked_fill(ignored, 0.0).sum()
+            if not need_grad:
+                continue
+            z /= sum_exp.unsqueeze(-1)  # softmax; now d loss / d logits of the chunk, in place
+            own = (~outside).nonzero().squeeze(-1)
+            z[own, local_t[own]] -= 1.0 - eps
+            if eps > 0:
+                z[:, :pad_from] -= eps / num_classes
+            if ignored.any():
+                z[ignored] = 0.0
+            g = z.to(weight.dtype)
+            torch.mm(g, weight, out=grad_hidden[lo:lo + chunk])
+            grad_weight += torch.mm(g.t(), hc).to(acc)
+        if need_grad:
+            ctx.save_for_backward(grad_hidden.view(hidden.shape), grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        scale = grad_total.to(grad_weight.dtype)
+        return ((grad_hidden.to(scale.dtype) * scale).to(grad_hidden.dtype),
+                (grad_weight * scale).to(ctx.weight_dtype), None, None, None, None, None, None, None)
+
+
+def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
+                             label_smoothing: float = 0.0, ignore_index: int = -100, vocab_size: int | None = None,
+                             tp_group=None, chunk_tokens: int | None = None) -> torch.Tensor:
+    """``vocab_parallel_cross_entropy(hidden @ weight.T, target, ...)`` summed over the tokens, computed in chunks
+    of tokens so that the ``[tokens, V/tp]`` logits are never held (Liger-Kernel's and Megatron's fused linear cross
+    entropy do the same on GPUs).
+
+    Args:
+        hidden: ``[..., h]``, the LM head's input as the head sees it (after any TP copy / SP gather).
+        weight: ``[V/tp, h]``, this rank's vocabulary rows (tied or untied head).
+        target: ``[...]`` global token ids; ``ignore_index`` positions add 0 and get no gradient.
+        chunk_tokens: tokens per chunk (default: :data:`CPU_CHUNK_ELEMENTS` or :data:`ACCELERATOR_CHUNK_ELEMENTS`
+            logits per chunk, by the device).
+    Returns:
+        a float32 scalar (float64 for a float64 weight), the sum of the per-token losses. Its gradient is only right for a scalar upstream
+        gradient (the loss of a mean is), which is all autograd ever passes to a scalar. With TP each chunk makes
+        three all-reduces of ``[chunk]`` tensors (four with label smoothing), where the unfused loss makes three
+        of ``[tokens]``.
+    """
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+    if hidden.shape[:-1] != target.shape or hidden.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)} and target "
+                         f"{tuple(target.shape)} disagree: hidden must be target's shape plus weight's last dimension")
+    group = get_tensor_model_parallel_group() if tp_group is None else tp_group
+    if chunk_tokens is None:
+        elements = CPU_CHUNK_ELEMENTS if hidden.device.type == "cpu" else ACCELERATOR_CHUNK_ELEMENTS
+        chunk_tokens = max(1, elements // weight.shape[0])
+    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _LinearCrossEntropySum.apply(hidden, weight, target, label_smoothing, ignore_index, vocab_size, group,
+                                        chunk_tokens, need_grad)

@@ -43,6 +43,9 @@ class RunParser(argparse.ArgumentParser):
         self.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (pp > 1 allows 0 or 1)")
         self.add_argument("--compile", action="store_const", const="true", default=None,
                           help="torch.compile every block (training.compile: true); the first steps compile")
+        self.add_argument("--fused-cross-entropy", action="store_const", const="true", default=None,
+                          help="GPT: LM head and loss in one chunked pass, no [tokens, vocab] logits "
+                               "(training.fused_cross_entropy: true)")
         self.add_argument("--steps", type=int, help="number of optimizer steps (the run's total, also when resuming)")
         self.add_argument("--eval-interval", type=int, metavar="N",
                           help=f"{eval_help} every N steps (also before step 1 and at the end); 0: never")

@@ -115,7 +115,8 @@ def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False, init_
     # Context parallelism (GPT only, config.validate_context_parallel): the layers and the loss get the CP group.
     context = {"cp_group": grid.cp_group, "cp_algorithm": par.cp_algorithm} if grid.cp > 1 else {}
     specs = family.layer_specs(model_cfg, par.sequence_parallel, **context,
-                               **({"ep_group": grid.ep_group} if expert_parallel else {}))
+                               **({"ep_group": grid.ep_group} if expert_parallel else {}),
+                               **({"fused_cross_entropy": True} if tr.fused_cross_entropy else {}))
     loss_fn = family.loss(model_cfg, **({"cp_group": grid.cp_group} if grid.cp > 1 else {}))
     if grid.pp > 1:
         module = family.build_pipeline(model_cfg, specs, grid, loss_fn=loss_fn, cfg=cfg)
@@ -572,7 +573,7 @@ def config_from_args(args) -> RunConfig:
     overrides = list(args.set)
     for flag, key in (("tp", "parallel.tp"), ("pp", "parallel.pp"), ("ep", "parallel.ep"), ("cp", "parallel.cp"),
                       ("cp_algorithm", "parallel.cp_algorithm"), ("zero", "parallel.zero_stage"),
-                      ("compile", "training.compile"),
+                      ("compile", "training.compile"), ("fused_cross_entropy", "training.fused_cross_entropy"),
                       ("steps", "training.steps"), ("eval_interval", "training.eval_interval"),
                       ("save_interval", "training.save_interval"), ("init", "training.init_from"), ("out", "out")):
         value = getattr(args, flag)
