@@ -34,3 +34,15 @@ def test_split_of_embedded_corpus():
     docs = embedded_documents()
     train, valid = split_documents(docs)
     assert train and valid and len(train) + len(valid) == len(docs)
+
+
+def test_known_words_counts_corpus_words_and_skips_a_cut_last_word():
+    from zoo.data.corpus import corpus_words, known_words
+
+    vocabulary = frozenset({"the", "cat", "on"})
+    # "sat" is unknown; "ma" is where the text stops, so it is not judged; digits and symbols split words
+    assert known_words(["the cat sat on the ma"], vocabulary) == (4, 5)
+    assert known_words(["cat9on__the.", "x"], vocabulary) == (3, 3)
+    words = corpus_words()
+    assert {"assert", "return", "the", "Python"} <= words and "zzyzx" not in words
+    assert known_words(["The value of an expression is returned. "]) == (7, 7)

@@ -107,3 +107,24 @@ def test_gpu_suite_needs_a_gpu(capsys):
     assert main(["--gpu-suite"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --gpu-suite needs a GPU") and len(err.splitlines()) == 1
+
+
+def test_roofline_counts_the_fused_loss_gemms():
+    """The fused head + loss runs the head's three GEMMs in chunks (one writes in place, ``mm(out=)``): the
+    recorded GEMM FLOPs equal the unfused model's, which the test above holds to the FLOP counter."""
+    import torch
+
+    from zoo.bench.gpt import build_parser, build_zoo, gemm_shapes, zoo_config
+
+    args = build_parser().parse_args(["--hidden-size", "32", "--layers", "1", "--heads", "2", "--vocab-size", "256"])
+    cfg = zoo_config("gpt2", args)
+    tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def flops(shapes):
+        return sum(calls * 2 * b * m * n * k for (b, m, n, k, *_), calls in shapes.items())
+
+    plain = gemm_shapes(build_zoo(cfg, torch.device("cpu"), torch.float32, 0, 1e-3), ids, labels)
+    fused = gemm_shapes(build_zoo(cfg, torch.device("cpu"), torch.float32, 0, 1e-3, fused_cross_entropy=True),
+                        ids, labels)
+    assert flops(fused) == flops(plain) > 0

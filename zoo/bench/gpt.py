@@ -353,8 +353,10 @@ def gemm_shapes(trainee: Trainee, ids, labels) -> dict:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     aten = torch.ops.aten
-    two_d = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2)}
-    three_d = {aten.bmm.default: (0, 1), aten.baddbmm.default: (1, 2)}
+    # the out= forms too: zoo's fused cross entropy writes its input gradient in place (torch.mm(..., out=))
+    two_d = {aten.mm.default: (0, 1), aten.mm.out: (0, 1), aten.addmm.default: (1, 2), aten.addmm.out: (1, 2)}
+    three_d = {aten.bmm.default: (0, 1), aten.bmm.out: (0, 1), aten.baddbmm.default: (1, 2),
+               aten.baddbmm.out: (1, 2)}
     shapes: Counter = Counter()
 
     def transposed(t: torch.Tensor) -> bool:

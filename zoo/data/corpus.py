@@ -8,8 +8,12 @@ Splitting by document (not by line) keeps the held-out set free of text that als
 
 from __future__ import annotations
 
+import functools
 import random
-from typing import Sequence
+import re
+from typing import Iterable, Sequence
+
+WORD = re.compile(r"[A-Za-z]+")  # a word: a maximal run of ASCII letters
 
 
 def embedded_documents() -> list[str]:
@@ -36,3 +40,23 @@ def split_documents(docs: Sequence[str], valid_fraction: float = 0.05, seed: int
     train = [d for i, d in enumerate(docs) if i not in chosen]
     valid = [d for i, d in enumerate(docs) if i in chosen]
     return train, valid
+
+
+@functools.lru_cache(maxsize=1)
+def corpus_words() -> frozenset[str]:
+    """Every word (maximal run of ASCII letters, case kept) of the embedded corpus, all documents."""
+    return frozenset(w for doc in embedded_documents() for w in WORD.findall(doc))
+
+
+def known_words(texts: Iterable[str], vocabulary: frozenset[str] | None = None) -> tuple[int, int]:
+    """``(known, total)``: of the words in ``texts``, how many occur in ``vocabulary`` (default: the embedded
+    corpus's, case-sensitive). A word a text ends inside (a sample cut at its token budget) is not counted."""
+    vocabulary = corpus_words() if vocabulary is None else vocabulary
+    known = total = 0
+    for text in texts:
+        words = [(m.group(), m.end()) for m in WORD.finditer(text)]
+        if words and words[-1][1] == len(text):
+            words.pop()
+        total += len(words)
+        known += sum(w in vocabulary for w, _ in words)
+    return known, total

@@ -187,13 +187,30 @@ class GPTFamily(Family):
         load_model(model_dir, model)
         model.eval()
         tok = load_tokenizer(model_dir)
+        continuations = []
         for n, prompt in enumerate(prompts):
             sampling = SamplingOptions(greedy=False, temperature=0.8, top_k=40, seed=n)
             ids = torch.tensor([tok.encode(prompt)])
             out = Generator(model).generate(ids, max_new_tokens=max_new_tokens, sampling=sampling,
                                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-            log("sample (temperature 0.8, top-k 40): "
-                + repr(prompt + tok.decode(out.tokens[0, ids.shape[1]:].tolist())))
+            continuations.append(tok.decode(out.tokens[0, ids.shape[1]:].tolist()))
+            log("sample (temperature 0.8, top-k 40): " + repr(prompt + continuations[-1]))
+        if trained_on_embedded_corpus(model_dir):
+            from zoo.data.corpus import known_words
+
+            known, total = known_words(continuations)
+            log(f"samples: {known} of {total} words ({known / max(total, 1):.0%}) occur in the embedded corpus")
+
+
+def trained_on_embedded_corpus(model_dir) -> bool:
+    """Whether the run that exported ``model_dir`` (its folder's config.yaml) trained on the embedded corpus."""
+    import yaml
+
+    run_config = Path(model_dir).parent / "config.yaml"
+    try:
+        return (yaml.safe_load(run_config.read_text()) or {}).get("data", {}).get("source") == "embedded"
+    except (OSError, yaml.YAMLError, AttributeError):
+        return False
 
 
 FAMILY = GPTFamily()
