@@ -108,7 +108,7 @@ def verify_case(hf, zoo, tp, pp):
 
 
 def test_verify_every_layout(hf_dir, zoo_dir, tmp_path, dist_run):
-    for tp, pp in LAYOUTS:
+    for tp, pp in LAYOUTS[1:]:  # tp=pp=1: the command's own test below, in this process
         per_rank = dist_run(4, verify_case, str(hf_dir), str(zoo_dir), tp, pp)
         assert all(r == per_rank[0] for r in per_rank)  # every rank returns rank 0's number
         assert per_rank[0] < TOL, f"tp={tp} pp={pp}: max |noise diff| {per_rank[0]}"

@@ -77,7 +77,7 @@ def test_readme_example_runs_as_written(tmp_path, tokenizer_dir, monkeypatch):
     code = readme_example()
     assert len([line for line in code.splitlines() if line.strip()]) <= 10
     monkeypatch.chdir(tmp_path)
-    folder, cfg = gpt_folder(tmp_path / "runs" / "gpt-tiny" / "model", tokenizer_dir)
+    folder, cfg = gpt_folder(tmp_path / "runs" / "gpt-main" / "model", tokenizer_dir)
 
     # The reference: the plain model of the training code and its loss (vocabulary-padded logits).
     ref = reference(folder, layer_specs(cfg, ParallelOptions())).train()
@@ -99,7 +99,7 @@ def test_readme_example_runs_as_written(tmp_path, tokenizer_dir, monkeypatch):
     stepped = dict(namespace["model"].named_parameters())
     for name, p in ref.named_parameters():
         torch.testing.assert_close(stepped[name].grad, p.grad, rtol=1e-4, atol=1e-7, msg=f"gradient of {name}")
-    saved, before = dict(iter_tensors(tmp_path / "runs" / "gpt-tiny-ft")), dict(iter_tensors(folder))
+    saved, before = dict(iter_tensors(tmp_path / "runs" / "gpt-main-ft")), dict(iter_tensors(folder))
     assert sorted(saved) == sorted(stepped)
     for name, value in saved.items():
         assert value.shape == before[name].shape, f"{name}: saved {value.shape}, the folder had {before[name].shape}"

@@ -30,7 +30,8 @@ def test_accelerate_launch_tp2_equals_the_single_process_run(dist_run, tmp_path)
     # --multi_gpu: on a machine without several GPUs accelerate's launcher starts N processes only with it.
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(_free_port()), str(ROOT / "launch/train.py"), "--tp", "2", "--steps", "5",
+           "--main_process_port", str(_free_port()), str(ROOT / "launch/train.py"), "--config",
+           str(ROOT / "configs/gpt/tiny.yaml"), "--tp", "2", "--steps", "5",
            "--out", str(out), "--set", *COMMON]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

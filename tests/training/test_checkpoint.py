@@ -59,14 +59,14 @@ def losses_of(out):
             if "loss" in r}
 
 
-RANK1_DIES_AFTER_STEP_10 = textwrap.dedent("""
+RANK1_DIES_AFTER_STEP_4 = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {root!r})
     import zoo.training.checkpoint as ckpt
     real = ckpt.save_checkpoint
     def save_then_die(engine, root, step, *args, **kwargs):
         path = real(engine, root, step, *args, **kwargs)
-        if step == 10 and os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        if step == 4 and os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
             os.kill(os.getpid(), signal.SIGKILL)  # the first attempt's rank 1 dies; torchrun restarts the group
         return path
     ckpt.save_checkpoint = save_then_die
@@ -77,25 +77,25 @@ RANK1_DIES_AFTER_STEP_10 = textwrap.dedent("""
 
 def test_sigkill_of_a_rank_under_torchrun_restarts_and_resumes_exactly(dist_run, tmp_path):
     """The tiny MoE at ep=2 (DeepSpeed's files and zoo's expert files) under ``torchrun --max-restarts 1``: rank 1
-    is killed with SIGKILL after the step-10 checkpoint; torchrun restarts both ranks, which resume from the newest
-    intact checkpoint by themselves (no flag) and finish: steps 11-20 as if never killed, exit status 0."""
+    is killed with SIGKILL after the step-4 checkpoint; torchrun restarts both ranks, which resume from the newest
+    intact checkpoint by themselves (no flag) and finish: steps 5-8 as if never killed, exit status 0."""
     sets = ["parallel.ep=2", "model.preset=tiny-moe"]
-    expected = dist_run(2, run_case, sets + ["training.steps=20", "training.save=false"],
+    expected = dist_run(2, run_case, sets + ["training.steps=8", "training.save=false"],
                         str(tmp_path / "reference"))[0]
     out = tmp_path / "run"
     script = tmp_path / "train_then_die.py"
-    script.write_text(RANK1_DIES_AFTER_STEP_10.format(root=str(ROOT)))
+    script.write_text(RANK1_DIES_AFTER_STEP_4.format(root=str(ROOT)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "1",
-           "--master_port", str(_free_port()), str(script), "--config", str(CONFIG), "--ep", "2", "--steps", "20",
-           "--save-interval", "10", "--no-sample", "--out", str(out), "--set", "model.preset=tiny-moe", *COMMON]
+           "--master_port", str(_free_port()), str(script), "--config", str(CONFIG), "--ep", "2", "--steps", "8",
+           "--save-interval", "4", "--no-sample", "--out", str(out), "--set", "model.preset=tiny-moe", *COMMON]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
                           timeout=300)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-3000:]
-    assert "resumed from" in log and "step_00000010 at step 10" in log, log[-3000:]
+    assert "resumed from" in log and "step_00000004 at step 4" in log, log[-3000:]
     got = losses_of(out)
-    assert sorted(got) == list(range(1, 21))
-    assert [got[s] for s in range(11, 21)] == expected[10:], "resumed losses must equal the uninterrupted run's"
+    assert sorted(got) == list(range(1, 9))
+    assert [got[s] for s in range(5, 9)] == expected[4:], "resumed losses must equal the uninterrupted run's"
 
 
 def _train_workers(pid: int) -> list[int]:

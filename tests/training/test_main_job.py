@@ -1,12 +1,14 @@
 """The main job as a user runs it: embedded corpus -> BPE tokenizer -> training with evaluation -> every artifact.
 
-The full-length run (README, under 10 minutes on 2 cores) is not repeated here; the same command is run for a few
+The full-length run (README, under 5 minutes on 2 idle cores) is not repeated here; the same command is run for a few
 steps at pp=2 under torchrun (the plain-process path is every other launch/train.py test's), and everything it
-promises to write is checked, then the export generates in one plain process.
+promises to write is checked. Its samples come from the export read back in one plain process (a world of one),
+from the one-file-per-stage folder a pp=2 run writes; launch/generate.py's own tests are tests/models/test_generate.py.
 """
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -54,6 +56,12 @@ def check_run_folder(out: Path, log: str):
     samples = [line for line in log.splitlines() if line.startswith("sample (temperature 0.8, top-k 40): ")]
     assert len(samples) == 3 and all(s.split(": ", 1)[1].startswith(p) for s, p in
                                      zip(samples, ("'The ", "'def ", "'To "))), log[-2000:]
+    # the word check of the samples (zoo.data.corpus.known_words; the full run's figure is in the README): after
+    # 6 steps the samples are noise, so only its form and arithmetic are held here
+    words = re.search(r"^samples: (\d+) of (\d+) words \((\d+)%\) occur in the embedded corpus$", log, re.MULTILINE)
+    assert words, log[-2000:]
+    known, total, percent = map(int, words.groups())
+    assert 0 < total and 0 <= known <= total and percent == round(100 * known / total)
     assert "done: metrics in" in log
 
 
@@ -65,7 +73,3 @@ def test_main_job_pp2_under_torchrun(tmp_path, cache_dir):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     check_run_folder(out, proc.stdout)
     assert "tp=1 pp=2 dp=1" in proc.stdout and "data: embedded" in proc.stdout
-    # The exported folder generates through launch/generate.py, in one plain process (a world of one).
-    gen = subprocess.run([sys.executable, str(ROOT / "launch/generate.py"), "--ckpt", str(out), "--prompt", "def",
-                          "--max-new-tokens", "8"], capture_output=True, text=True, timeout=300)
-    assert gen.returncode == 0 and gen.stdout.splitlines()[-1].startswith("def"), gen.stdout + gen.stderr[-2000:]
