@@ -263,7 +263,7 @@ PRESETS: dict[str, dict] = {
     # Tests and the laptop run.
     "tiny": dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=128),
     "tiny-llama": _TINY_LLAMA,
-    # The main job (configs/gpt/main.yaml): "tiny" at twice the width, 1.0M parameters.
+    # The main job (configs/gpt/main.yaml): "tiny" at twice the width, 0.88M parameters.
     "mini": dict(vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
                  max_position_embeddings=128),
     # Mixtral-like: every block 8 experts, top-2 of a softmax, renormalised.
