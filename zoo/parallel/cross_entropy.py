@@ -174,12 +174,11 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             if not need_grad:
                 continue
             z /= sum_exp.unsqueeze(-1)  # softmax; now d loss / d logits of the chunk, in place
-            own = (~outside).nonzero().squeeze(-1)
-            z[own, local_t[own]] -= 1.0 - eps
+            # minus (1 - eps) at the target where this shard owns it; no host sync (no nonzero/any) on GPUs
+            z.scatter_add_(-1, local_t.unsqueeze(-1), (~outside).to(acc).unsqueeze(-1) * -(1.0 - eps))
             if eps > 0:
                 z[:, :pad_from] -= eps / num_classes
-            if ignored.any():
-                z[ignored] = 0.0
+            z *= (~ignored).to(acc).unsqueeze(-1)
             g = z.to(weight.dtype)
             torch.mm(g, weight, out=grad_hidden[lo:lo + chunk])
             grad_weight += torch.mm(g.t(), hc).to(acc)
