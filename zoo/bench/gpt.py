@@ -581,10 +581,10 @@ def benchmark_style(style: str, args, accel, device, dtype, log) -> StyleReport:
     if shapes is not None:
         gemm_s, gemm_flops = roofline(shapes, device, accel)
         of = "zoo" if args.no_compile else "zoo-compiled"  # the model whose GEMMs were recorded
-        fastest_zoo = next(r for r in report.results if r.impl == of)
-        report.roofline = {"of": fastest_zoo.impl, "gemm_seconds": gemm_s, "gemm_flops": gemm_flops,
-                           "gemm_shapes": len(shapes), "fraction_of_matmul": gemm_s / fastest_zoo.step_time_s,
-                           "step_flops_per_s": flops_per_token * b * s / fastest_zoo.step_time_s,
+        recorded = next(r for r in report.results if r.impl == of)
+        report.roofline = {"of": recorded.impl, "gemm_seconds": gemm_s, "gemm_flops": gemm_flops,
+                           "gemm_shapes": len(shapes), "fraction_of_matmul": gemm_s / recorded.step_time_s,
+                           "step_flops_per_s": flops_per_token * b * s / recorded.step_time_s,
                            "square_gemm_flops_per_s": square_gemm_flops(device, accel, dtype)}
     return report
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 # family name -> module defining FAMILY
@@ -109,3 +110,10 @@ def get_family(name: str) -> Family:
         raise ValueError(f"model.family {name!r} is not available in this version ({e.name} missing)") from None
     return module.FAMILIES[name] if hasattr(module, "FAMILIES") else module.FAMILY
 
+
+def read_run_config(out: Path) -> dict:
+    """The raw ``config.yaml`` a run wrote (train.py's ``RunConfig.to_dict``); empty when absent."""
+    import yaml
+
+    path = Path(out) / "config.yaml"
+    return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}

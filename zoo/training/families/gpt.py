@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from zoo.training.families import Data, Family
+from zoo.training.families import Data, Family, read_run_config
 
 SOURCES = ("embedded", "indexed", "synthetic", "instruct")  # instruct: launch/finetune.py (zoo.data.instruct)
 
@@ -206,9 +206,8 @@ def trained_on_embedded_corpus(model_dir) -> bool:
     """Whether the run that exported ``model_dir`` (its folder's config.yaml) trained on the embedded corpus."""
     import yaml
 
-    run_config = Path(model_dir).parent / "config.yaml"
     try:
-        return (yaml.safe_load(run_config.read_text()) or {}).get("data", {}).get("source") == "embedded"
+        return (read_run_config(Path(model_dir).parent).get("data") or {}).get("source") == "embedded"
     except (OSError, yaml.YAMLError, AttributeError):
         return False
 

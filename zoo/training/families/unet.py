@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from zoo.training.families import Data, Family
+from zoo.training.families import Data, Family, read_run_config
 
 SOURCES = ("embedded", "synthetic", "folders")
 EMBEDDED_LENGTH = 1 << 40  # the procedural datasets have no end; sample indices stay far below this
@@ -219,14 +219,6 @@ def grid_path(out, step: int) -> Path:
     return Path(out) / SAMPLES_DIR / f"step_{step:08d}.png"
 
 
-def _read_run_config(out: Path) -> dict:
-    """The raw ``config.yaml`` a run wrote (train.py's ``RunConfig.to_dict``); empty when absent."""
-    import yaml
-
-    path = out / "config.yaml"
-    return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The families
 # ---------------------------------------------------------------------------------------------------------------
@@ -409,7 +401,7 @@ class SegmentationFamily(_UNetFamily):
         from zoo.training.config import DataSection
 
         out = Path(model_dir).parent
-        raw = _read_run_config(out)
+        raw = read_run_config(out)
         model = PretrainedUNet.from_pretrained(model_dir)
         tr = raw.get("training") or {}
         seed, step = int(tr.get("seed", 1234)), int(tr.get("steps", 0))
@@ -528,7 +520,7 @@ class DiffusionFamily(_UNetFamily):
         from zoo.generate.unet import sample_grid
 
         out = Path(model_dir).parent
-        seed = int((_read_run_config(out).get("training") or {}).get("seed", 0))
+        seed = int((read_run_config(out).get("training") or {}).get("seed", 0))
         path = sample_grid(model_dir, out / "samples.png", num=num, steps=steps, seed=seed)
         log(f"samples ({num} images, {steps} DDPM steps, seed {seed}): {path}")
 
