@@ -17,11 +17,13 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 
 import pytest
 
 THREAD_BOUND = 24  # threads a worker may hold beyond its start-up count between tasks
+RETIRED_THREADS = 48  # threads the retired (ZeRO-3) tasks of a pool may leave in all before the pool is closed
 
 
 def _threads() -> int:
@@ -80,7 +82,8 @@ class DistPool:
             p.start()
         self.threads = [0] * world_size
         self._collect(start_timeout, "start")
-        self.start_threads = list(self.threads)
+        self.start_threads = list(self.threads)  # the guard's baseline (raised by retired tasks)
+        self.first_threads = list(self.threads)
 
     def _collect(self, timeout: float, what: str, guard: bool = True) -> list:
         out, errors = [None] * self.world_size, []
@@ -119,17 +122,22 @@ class DistPool:
             q.put((fn, args, kwargs))
         return self._collect(timeout, getattr(fn, "__name__", str(fn)), guard=_guard)
 
-    def close(self) -> None:
+    def close(self, grace: float = 1.0) -> None:
+        """Ask every worker to stop, give them ``grace`` seconds together, then kill the rest. A closed pool's
+        workers hold nothing a test reads, and their interpreter exit (collecting everything the tasks imported and
+        built) took 2-5 s per pool: the suite paid it at every retired pool and at the end of the session."""
         for q in self.tasks:
             try:
                 q.put(None)
             except Exception:
                 pass
+        deadline = time.monotonic() + grace
         for p in self.procs:
-            p.join(timeout=10)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
             if p.is_alive():
                 p.kill()
-                p.join(timeout=5)
+            p.join(timeout=5)
 
 
 @pytest.fixture(scope="module")
@@ -162,13 +170,13 @@ class _Pools:
             raise
 
     def retire(self, world_size: int, fn, *args, **kwargs):
-        """Like the call, without the thread guard; then, once the pool holds more than half the guard's bound of
-        extra threads, close it (the next test starts a fresh one).
+        """Like the call, without the thread guard, for tasks known to leave threads behind; the pool stays (a
+        fresh one costs ~5 s to start) until its workers hold ``RETIRED_THREADS`` extra threads, then it closes.
 
         For DeepSpeed ZeRO-3 engines: after ``destroy`` they stay reachable from autograd state that Python's
         garbage collector cannot see, and keep their process groups (4 per engine, 2 threads each) until the
-        process ends. A pool takes one or two such tasks before it is closed, and the guarded tasks after them
-        still have half the bound to themselves.
+        process ends. The threads such a task leaves become the pool's new baseline, so the guarded tasks after it
+        are still held to ``THREAD_BOUND`` threads of their own.
         """
         pool = self.pools.pop(world_size, None)
         if pool is None or not pool.alive:
@@ -178,9 +186,10 @@ class _Pools:
         except BaseException:
             pool.close()
             raise
-        if any(n > s + THREAD_BOUND // 2 for n, s in zip(pool.threads, pool.start_threads)):
+        if any(n > s + RETIRED_THREADS for n, s in zip(pool.threads, pool.first_threads)):
             pool.close()
         else:
+            pool.start_threads = [max(n, s) for n, s in zip(pool.threads, pool.start_threads)]
             self.pools[world_size] = pool
         return out
 
