@@ -153,6 +153,45 @@ def test_json_only_and_write_config(tmp_path, capsys):
     assert cfg.parallel.activation_checkpointing and cfg.training.seq_length == 1024
 
 
+def test_fused_loss_is_priced_where_zoo_runs_it(tmp_path, capsys):
+    """--fused-cross-entropy: the last stage keeps no [tokens, V] logits (fp32 softmax, logits and their gradient
+    around the loss) but the head's gradients and one chunk of logits; ZeRO-3 layouts stay unfused (zoo refuses
+    the fused loss there); --write-config turns it on in the run config."""
+    from dataclasses import replace
+
+    from zoo.plan.estimate import fused_chunk_tokens
+
+    gpu, config = get_gpu("a100-80g"), GPTConfig.from_preset("gpt2-124m")
+    job, fused_job = (Job(config, 8, 1024, 64, fused_cross_entropy=f) for f in (False, True))
+    vocab, h, tokens = config.padded_vocab_size(2) // 2, config.hidden_size, 4 * 1024
+    # two stages: the fp32 softmax [tokens, V/tp] and two micro-batches' logits in the pipe buffers go (bf16); the
+    # head's weight gradient (fp32) and two micro-batches' head inputs come
+    lay = Layout(tp=2, pp=2, dp=2, zero=1, micro_batch=4)
+    plain, fused = estimate(job, lay, gpu), estimate(fused_job, replace(lay, fused_ce=True), gpu)
+    saved = tokens * vocab * 4 + 2 * tokens * vocab * 2 - 4 * vocab * h - 2 * tokens * h * 2
+    assert plain.stage_memory[-1] - fused.stage_memory[-1] == pytest.approx(saved)
+    assert plain.stage_memory[0] == fused.stage_memory[0]
+    # one stage: the logits and their fp32 gradient around the loss shrink to one chunk's
+    lay = Layout(tp=2, pp=1, dp=4, zero=2, micro_batch=4)
+    plain, fused = estimate(job, lay, gpu), estimate(fused_job, replace(lay, fused_ce=True), gpu)
+    chunk = fused_chunk_tokens(config, 2, gpu)
+    assert 0 < chunk < tokens
+    assert plain.memory["buffers"] - fused.memory["buffers"] == pytest.approx((tokens - chunk) * vocab * (2 + 4))
+    rows = plan(fused_job, gpu)
+    assert {e.layout.fused_ce for e in rows} == {True, False}
+    assert all(e.layout.fused_ce == (e.layout.zero < 3) for e in rows)
+
+    out = tmp_path / "plan.yaml"
+    assert main(["--model", "gpt2-355m", "--gpu", "a100-40g", "--gpus", "8", "--global-batch", "64",
+                 "--seq-length", "1024", "--only", "zero=1", "--fused-cross-entropy", "--write-config", str(out)]) == 0
+    assert "fused LM head + loss" in capsys.readouterr().out
+    from zoo.training.config import load, validate
+
+    cfg = load(out)
+    validate(cfg, 8)
+    assert cfg.training.fused_cross_entropy and cfg.parallel.zero_stage == 1
+
+
 @pytest.mark.parametrize("args,message", [
     (["--gpu", "a100-81g", "--gpus", "8", "--global-batch", "8"], "unknown GPU 'a100-81g'"),
     (["--model", "llama-7b", "--gpu", "a100-40g", "--gpus", "1", "--global-batch", "8"], "no layout of 1 x a100-40g"),

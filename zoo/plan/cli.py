@@ -36,6 +36,9 @@ def parse_args(argv=None):
     p.add_argument("--attention", default="flash", choices=list(ATTENTION),
                    help="flash: zoo's SDPA (no s x s scores stored); unfused: scores stored and streamed, as "
                         "Megatron-LM ran in 2021 (what its published figures measured)")
+    p.add_argument("--fused-cross-entropy", action="store_true",
+                   help="price the LM head and the loss fused (training.fused_cross_entropy: no [tokens, vocab] logits "
+                        "kept; zoo runs it at ZeRO 0-2, so ZeRO-3 layouts stay unfused); --write-config sets it")
     p.add_argument("--only", metavar="FIELDS", help="evaluate only layouts with these values, e.g. "
                    "tp=8,pp=35,micro_batch=1,recompute=full,sp=true,zero=1 (unnamed fields take their best value)")
     p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
@@ -128,7 +131,7 @@ def run_config(e, job: Job, preset: str | None, gpus_per_node: int = 8) -> str:
            "parallel": {"tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "cp": lay.cp, "zero_stage": lay.zero,
                         "sequence_parallel": lay.sp, "activation_checkpointing": lay.recompute == "full"},
            "training": {"micro_batch_size": lay.micro_batch, "global_batch_size": job.global_batch,
-                        "seq_length": job.seq_length, "precision": job.dtype}}
+                        "seq_length": job.seq_length, "precision": job.dtype, "fused_cross_entropy": lay.fused_ce}}
     note = (f"# Written by launch/plan.py: the predicted fastest layout of {job.gpus} GPUs "
             f"({e.tokens_per_s:.0f} tokens/s, {e.memory_per_gpu_gb:.1f} GiB per GPU).\n"
             f"# deepspeed {nodes}--num_gpus {min(job.gpus, gpus_per_node)} launch/train.py --config THIS_FILE   (or "
@@ -144,7 +147,8 @@ def main(argv=None) -> int:
         config, preset = model_config(args.model, args.set)
         seq = args.seq_length or min(2048, config.max_position_embeddings)
         job = Job(config=config, gpus=args.gpus, seq_length=seq, global_batch=args.global_batch,
-                  dtype=args.dtype, optimizer=args.optimizer, attention=args.attention)
+                  dtype=args.dtype, optimizer=args.optimizer, attention=args.attention,
+                  fused_cross_entropy=args.fused_cross_entropy)
         fixed = parse_only(args.only) if args.only else None
         if fixed:
             explain_selective(job, fixed)
@@ -162,7 +166,8 @@ def main(argv=None) -> int:
         print(f"{c.num_parameters() / 1e9:.3f}B parameters (h={c.hidden_size}, layers={c.num_hidden_layers}, "
               f"heads={c.num_attention_heads}/{c.num_key_value_heads}, vocab={c.vocab_size}) on {job.gpus} x "
               f"{gpu.name}, {job.global_batch} x {job.seq_length} tokens per step, {job.dtype}, {job.optimizer}, "
-              f"{job.attention} attention: {len(fitting)} of {len(rows)} layouts fit")
+              f"{job.attention} attention{', fused LM head + loss' if job.fused_cross_entropy else ''}: "
+              f"{len(fitting)} of {len(rows)} layouts fit")
         print(table(fitting, args.top))
         if args.why_not:
             misses = [e for e in rows if not e.fits]

@@ -28,6 +28,7 @@ class Job:
     dtype: str = "bf16"
     optimizer: str = "adamw"
     attention: str = "flash"  # "flash": zoo's SDPA, no s x s matrix; "unfused": scores stored (Megatron 2021)
+    fused_cross_entropy: bool = False  # training.fused_cross_entropy, in every layout zoo runs it in (ZeRO 0-2)
 
 
 @dataclass(frozen=True)
@@ -41,12 +42,14 @@ class Layout:
     micro_batch: int = 1
     sp: bool = False
     recompute: str = "none"
+    fused_ce: bool = False  # the LM head and the loss fused (zoo.parallel.cross_entropy.linear_cross_entropy_sum)
 
     def describe(self) -> str:
         ep = f" ep={self.ep}" if self.ep > 1 else ""
         ep += f" cp={self.cp}" if self.cp > 1 else ""
+        fused = " fused_ce=true" if self.fused_ce else ""
         return (f"tp={self.tp} pp={self.pp} dp={self.dp}{ep} zero={self.zero} micro_batch={self.micro_batch} "
-                f"sp={str(self.sp).lower()} recompute={self.recompute}")
+                f"sp={str(self.sp).lower()} recompute={self.recompute}{fused}")
 
 
 @dataclass
@@ -70,7 +73,8 @@ class Estimate:
     def row(self) -> dict:
         lay = self.layout
         return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "cp": lay.cp, "zero": lay.zero,
-                "micro_batch": lay.micro_batch, "recompute": lay.recompute, "sp": lay.sp, "params": self.params,
+                "micro_batch": lay.micro_batch, "recompute": lay.recompute, "sp": lay.sp, "fused_ce": lay.fused_ce,
+                "params": self.params,
                 "memory_per_gpu_gb": round(self.memory_per_gpu_gb, 3),
                 "memory_gb": {k: round(v / GiB, 3) for k, v in self.memory.items()}, "fits": self.fits,
                 "step_time_s": self.step_time_s, "time_s": self.time, "tokens_per_s": self.tokens_per_s,
@@ -292,16 +296,30 @@ def block_activation_bytes(c, i: int, tp: int, sp: bool, dtype: str, tokens: int
     return tokens * (2 * norm + attn + mlp)
 
 
-def head_activation_bytes(c, tp: int, sp: bool, dtype: str, tokens: int) -> float:
+def head_activation_bytes(c, tp: int, sp: bool, dtype: str, tokens: int, fused: bool = False) -> float:
     """The last stage's final norm, LM-head input and the vocab-parallel cross entropy's fp32 softmax
-    (``zoo.parallel.cross_entropy`` saves it, [b, s, V/tp])."""
+    (``zoo.parallel.cross_entropy`` saves it, [b, s, V/tp]). Fused (``linear_cross_entropy_sum``), the loss
+    keeps the gradients it computed in the forward instead: the head input's ([b, s, h], the input's dtype) and
+    the head weight's ([V/tp, h] in fp32), and no [b, s, V/tp] tensor."""
     a = DTYPE_BYTES[dtype]
     h, _, _, _, g = _dims(c, tp, sp)
     if c.normalization == "layernorm":
         norm = (a * h + 8) * g
     else:
         norm = ((4 if a == 4 else 4 + a) * h + a * h + 4) * g
-    return tokens * (norm + a * h + 4 * c.padded_vocab_size(tp) // tp + 24)
+    vocab = c.padded_vocab_size(tp) // tp
+    if fused:
+        return tokens * (norm + a * h + 24) + 4 * vocab * h
+    return tokens * (norm + a * h + 4 * vocab + 24)
+
+
+def fused_chunk_tokens(c, tp: int, gpu: GPU) -> int:
+    """Tokens per chunk of the fused loss (``zoo.parallel.cross_entropy``: a fixed number of logits per chunk,
+    fewer on a CPU)."""
+    from zoo.parallel.cross_entropy import ACCELERATOR_CHUNK_ELEMENTS, CPU_CHUNK_ELEMENTS
+
+    elements = CPU_CHUNK_ELEMENTS if gpu.name == "cpu" else ACCELERATOR_CHUNK_ELEMENTS
+    return max(1, elements // (c.padded_vocab_size(tp) // tp))
 
 
 def activation_bytes(c, stage: Stage, lay: Layout, dtype: str, seq: int, micro_batches: int,
@@ -321,13 +339,14 @@ def activation_bytes(c, stage: Stage, lay: Layout, dtype: str, seq: int, micro_b
                                                               lay.recompute == "selective")
     per = [kinds[c.is_moe_layer(i)] for i in stage.blocks]
     hidden = tokens * a * c.hidden_size / (lay.tp if lay.sp else 1)  # a block's input
-    head = head_activation_bytes(c, lay.tp, lay.sp, dtype, tokens) if stage.last else 0.0
+    head = head_activation_bytes(c, lay.tp, lay.sp, dtype, tokens, lay.fused_ce) if stage.last else 0.0
     fixed = 8 * tokens if stage.first else 0.0
     once = 0.0
     if lay.pp > 1:
-        if stage.last:  # this micro-batch's logits and labels, and still the previous one's
-            fixed += tokens * (c.padded_vocab_size(lay.tp) // lay.tp * a + 8)
-            once += tokens * (c.padded_vocab_size(lay.tp) // lay.tp * a + 8)
+        if stage.last:  # this micro-batch's logits (fused: the head's input) and labels, and still the previous one's
+            width = c.hidden_size if lay.fused_ce else c.padded_vocab_size(lay.tp) // lay.tp
+            fixed += tokens * (width * a + 8)
+            once += tokens * (width * a + 8)
         else:
             fixed += hidden
     in_flight = min(lay.pp - stage.index, micro_batches)
@@ -456,8 +475,9 @@ def estimate(job: Job, lay: Layout, gpu: GPU, cache: dict | None = None) -> Esti
             buffers += 2 * max((sum(block_params(c, i, lay.tp, lay.ep)) for i in one_of_each), default=0) * a
         if lay.pp > 1:  # DeepSpeed's receive buffers: an activation and its gradient
             buffers += 2 * tokens * c.hidden_size * a / (lay.tp if lay.sp else 1)
-        if stage.last:  # logits and their fp32 gradient, alive around the loss
-            buffers += tokens * c.padded_vocab_size(lay.tp) // lay.tp * (a + 4)
+        if stage.last:  # logits and their fp32 gradient, alive around the loss (fused: one chunk of them)
+            rows = min(tokens, fused_chunk_tokens(c, lay.tp, gpu)) if lay.fused_ce else tokens
+            buffers += rows * c.padded_vocab_size(lay.tp) // lay.tp * (a + 4)
         mem = {"params": dense[0] + expert[0], "grads": dense[1] + expert[1], "optimizer": dense[2] + expert[2],
                "activations": act, "buffers": buffers, "reserved": gpu.reserved_gb * GiB}
         stage_memory.append(mem["params"] + mem["grads"] + mem["optimizer"] + act)

@@ -51,7 +51,8 @@ count nothing; all others count wherever they live (CPU offload included).
                    backward saves through autograd and counts as above;
                  - at pp > 1, the pipeline engine's buffers of the micro-batches in flight (``pipe_buffers``: each
                    stage's inputs, labels and outputs, kept until that micro-batch's backward; the 1F1B schedule
-                   decides how many), resynchronised after every instruction.
+                   decides how many; parameters in them, as the fused loss's head weight, not), resynchronised
+                   after every instruction.
                  Not counted: the pipeline's receive buffers (``pipe_recv_buf``, ``grad_layer``: one micro-batch's
                  activation and its gradient), gradients of activations inside backward, and other temporaries.
 ``allocator_peak``  on an accelerator, the allocator's peak over the first step (``max_memory_allocated`` after
@@ -335,7 +336,8 @@ class FirstStep:
             del self._pipe_held[key]
         for t in _tensors(self.engine.pipe_buffers):
             found = _storage(t)
-            if found is not None and found[0] not in self._pipe_held:
+            # a parameter in a stage's outputs (the fused loss's head weight) is the parameter's memory, not more
+            if found is not None and found[0] not in self._pipe_held and found[0] not in self._param_keys:
                 self._pipe_held[found[0]] = self.activations.hold(t)
 
     # -- the step --------------------------------------------------------------------------------------------
