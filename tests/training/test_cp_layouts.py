@@ -166,7 +166,10 @@ def test_cp2_with_zero3_matches_single_process(dist_run, tmp_path, tmp_path_fact
 
 def test_cp2_bf16_trains_like_fp32(dist_run, tmp_path, tmp_path_factory):
     fp32 = reference(dist_run, "llama", tmp_path_factory)
-    for algorithm in ("ulysses", "ring"):
+    # ring only: its bf16 blocks' partial outputs are merged rank by rank (log-sum-exp in fp32), the path with the
+    # most bf16 roundings; Ulysses runs whole-sequence attention after its all-to-all, as the dense bf16 layouts do
+    # (the fp32 tests hold both algorithms to one process)
+    for algorithm in ("ring",):
         losses = dist_run(2, train_case, "llama", ["parallel.cp=2", f"parallel.cp_algorithm={algorithm}",
                                                   "training.precision=bf16"], str(tmp_path / algorithm))[0]
         assert all(torch.isfinite(torch.tensor(losses)))
