@@ -5,6 +5,9 @@ session. A test hands the pool a module-level function; every rank runs it and t
 indexed by rank. A failure on any rank fails the test with that rank's traceback and retires the pool (its
 collectives may be out of step); the next test gets a fresh one.
 
+A task may also run a command's ``main`` as its launcher would (``tests.mains.run_main``): the world group it
+destroys on the way out is made again, on a fresh port, before the next task.
+
 After every task each worker destroys the process groups the task made (``release_groups``: each gloo group holds
 threads until destroyed, and a worker that kept them reached ~680 threads and slowed the whole machine), then
 reports its thread count. A worker holding more than ``THREAD_BOUND`` threads above its count when it started
@@ -56,13 +59,16 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
         item = tasks.get()
         if item is None:
             break
-        fn, args, kwargs = item
+        fn, args, kwargs, next_port = item
         try:
             value, ok = fn(*args, **kwargs), True
         except BaseException:
             value, ok = traceback.format_exc(), False
         try:
             release_groups()
+            if not torch.distributed.is_initialized():  # a command's main tears the world down as it exits
+                os.environ["MASTER_PORT"] = str(next_port)
+                init_distributed()
         except BaseException:
             value, ok = traceback.format_exc(), False
         results.put((rank, ok, value, _threads()))
@@ -118,8 +124,9 @@ class DistPool:
 
     def run(self, fn, *args, timeout: float = 300.0, _guard: bool = True, **kwargs) -> list:
         """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results."""
+        port = _free_port()  # where the world is made again if the task destroys it (a command's main does)
         for q in self.tasks:
-            q.put((fn, args, kwargs))
+            q.put((fn, args, kwargs, port))
         return self._collect(timeout, getattr(fn, "__name__", str(fn)), guard=_guard)
 
     def close(self, grace: float = 1.0) -> None:

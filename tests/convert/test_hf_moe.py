@@ -12,12 +12,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tests.convert.test_hf_gpt import assert_error, randomize_, run_cli, save_tokenizer
+from tests.mains import run_main
 from tests.training.test_finetune import response_loss, reverse_rows
 from zoo.convert import io
 
@@ -209,19 +206,15 @@ def test_verify_every_layout(hf_dirs, zoo_dirs, tmp_path, dist_run):
             assert wrong.max_abs_diff > 1e-2 and wrong.router_topk_agreement < 0.95, wrong
 
 
-def test_verify_command_torchrun(hf_dirs, zoo_dirs):
-    """launch/convert.py verify --ep 2 --max-memory 1KB on two processes (each rank's experts streamed one layer at
-    a time, transformers' model offloaded to disk): the agreement line, then max_abs_diff=<float> last."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           str(ROOT / "launch" / "convert.py"), "verify", "--hf", str(hf_dirs["qwen2-moe", "fused"]),
-           "--zoo", str(zoo_dirs["qwen2-moe", "per-expert"]), "--ep", "2", "--max-memory", "1KB"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = proc.stdout.strip().splitlines()
+def test_verify_command_ep2(hf_dirs, zoo_dirs, dist_run):
+    """launch/convert.py verify --ep 2 --max-memory 1KB on two processes (its main in the 2-rank pool as torchrun runs
+    it, tests/mains.py; each rank's experts streamed one layer at a time, transformers' model offloaded to disk): the
+    agreement line, then max_abs_diff=<float> last."""
+    (code, stdout, stderr), _ = dist_run(2, run_main, "zoo.convert.cli:main", [
+        "verify", "--hf", hf_dirs["qwen2-moe", "fused"], "--zoo", zoo_dirs["qwen2-moe", "per-expert"], "--ep", "2",
+        "--max-memory", "1KB"])
+    assert code == 0, stdout + stderr
+    lines = stdout.strip().splitlines()
     assert lines[-3] == "tp=1 pp=1 ep=2 tol=0.0001 ok" and lines[-2] == "router_topk_agreement=1.0000", lines[-3:]
     assert lines[-4] == "hf modules (accelerate device_map, cpu <= 1KB): disk 1; zoo: one layer at a time"
     m = re.fullmatch(r"max_abs_diff=(\S+)", lines[-1])

@@ -9,13 +9,12 @@ checkpoint (BERT's own TP patterns), and launch/train.py runs the default config
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.mains import run_main
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs/bert/tiny.yaml"
@@ -112,24 +111,24 @@ def test_checkpoint_resumes_in_another_tp(dist_run, tmp_path, saved, resumed_as)
     assert (tmp_path / "checkpoints" / "step_00000003_universal" / "zoo.json").is_file()
 
 
-def test_launch_train_embedded_end_to_end(tmp_path):
-    """launch/train.py with configs/bert/tiny.yaml on the embedded corpus (WordPiece + sentence cache built in a
-    fresh cache folder): metrics, evaluation, export, and the fill-mask line at the end."""
+def test_launch_train_embedded_end_to_end(tmp_path, dist_run):
+    """launch/train.py's main (in the 1-rank pool, tests/mains.py) with configs/bert/tiny.yaml on the embedded corpus
+    (WordPiece + sentence cache built in a fresh cache folder): metrics, evaluation, export, and the fill-mask line
+    at the end."""
     out = tmp_path / "run"
-    cmd = [sys.executable, str(ROOT / "launch/train.py"), "--config", str(CONFIG), "--steps", "4",
-           "--eval-interval", "2", "--out", str(out), "--set", "training.micro_batch_size=4",
-           "training.global_batch_size=8", "training.seq_length=64", "training.eval_iters=1",
-           f"data.cache_dir={tmp_path / 'cache'}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0 and "done: metrics in" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [(code, stdout, stderr)] = dist_run(1, run_main, "zoo.training.train:main", [
+        "--config", CONFIG, "--steps", "4", "--eval-interval", "2", "--out", out, "--set",
+        "training.micro_batch_size=4", "training.global_batch_size=8", "training.seq_length=64",
+        "training.eval_iters=1", f"data.cache_dir={tmp_path / 'cache'}"])
+    assert code == 0 and "done: metrics in" in stdout, stdout[-3000:] + stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     evals = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4] and [r["step"] for r in evals] == [0, 2, 4]
     assert all("mlm_accuracy" in r and "nsp_accuracy" in r for r in steps)
     assert all("val_mlm_accuracy" in r and "val_nsp_accuracy" in r for r in evals)
-    fill = [line for line in proc.stdout.splitlines() if line.startswith("fill-mask: ")]
-    assert len(fill) == 1 and "[MASK]" in fill[0] and "masked word" in fill[0], proc.stdout[-2000:]
+    fill = [line for line in stdout.splitlines() if line.startswith("fill-mask: ")]
+    assert len(fill) == 1 and "[MASK]" in fill[0] and "masked word" in fill[0], stdout[-2000:]
     from zoo.convert.io import read_config
     from zoo.data.tokenizer import load_tokenizer
 

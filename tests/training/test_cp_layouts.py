@@ -6,18 +6,17 @@ every step. One reference run per model serves every layout. Ulysses and ring at
 sequence parallelism, with pp=2, with dp=2 under ZeRO-2, with ZeRO-3, and with activation checkpointing; bf16 at cp=2
 stays within 2% of fp32. Then a checkpoint saved
 at cp=2 (ZeRO-1) resumes at cp=1 (DeepSpeed's data-parallel size 2 -> 1: the universal checkpoint), one saved with
-dropout resumes at cp=2 exactly (each CP rank's RNG), and the CLI (torchrun, ``--cp 2``) trains the same losses.
+dropout resumes at cp=2 exactly (each CP rank's RNG), and the CLI (``--cp 2``, its main as torchrun runs it) trains the same losses.
 """
 
 import json
 import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.mains import run_main
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = {"gpt2": ROOT / "configs/gpt/tiny.yaml", "llama": ROOT / "configs/gpt/tiny-llama.yaml"}
@@ -117,24 +116,19 @@ def test_cp2_resume_with_dropout_restores_every_cp_ranks_rng(dist_run, tmp_path)
     assert resumed == unbroken[3:]
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_torchrun_cp2_matches_single_process(dist_run, tmp_path):
-    """launch/train.py --cp 2 under torchrun: training and validation losses of one process, tokens counted once,
-    and the exported model (written by one rank of the CP group) loads."""
+def test_launch_train_cp2_matches_single_process(dist_run, tmp_path):
+    """launch/train.py --cp 2 (its main in the 2-rank pool as torchrun runs it, tests/mains.py): training and
+    validation losses of one process, tokens counted once, and the exported model (written by one rank of the CP
+    group) loads."""
     evaluation = ["training.eval_interval=5", "training.eval_iters=1"]
     expected = dist_run(1, train_case, "llama", evaluation, str(tmp_path / "reference"))[0]
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           str(ROOT / "launch/train.py"), "--config", str(CONFIGS["llama"]), "--out", str(out), "--cp", "2",
-           "--cp-algorithm", "ring", "--set", *COMMON, *evaluation, "training.save=true"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
-    assert "done: metrics in" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "dp=1 cp=2 (ring)" in proc.stdout
+    ranks = dist_run(2, run_main, "zoo.training.train:main", [
+        "--config", CONFIGS["llama"], "--out", out, "--cp", "2", "--cp-algorithm", "ring", "--set", *COMMON,
+        *evaluation, "training.save=true"])
+    stdout = "".join(r[1] for r in ranks)
+    assert [r[0] for r in ranks] == [0, 0] and "done: metrics in" in stdout, stdout[-3000:] + ranks[0][2][-3000:]
+    assert "dp=1 cp=2 (ring)" in stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "loss" in r]
     torch.testing.assert_close(torch.tensor([r["loss"] for r in train]), torch.tensor(expected), rtol=1e-5, atol=0)

@@ -1,5 +1,5 @@
 """Fine-tuning end to end: a tiny random HF GPT-2 (with a BPE tokenizer trained on the task) is fine-tuned at tp=2
-under torchrun on "reverse <word>:" -> " <drow>", and the exported HF folder is checked with transformers alone;
+(launch/finetune.py's main in the 2-rank pool, as torchrun runs it) on "reverse <word>:" -> " <drow>", and the exported HF folder is checked with transformers alone;
 bad inputs are refused in one line before anything is written; and launch/train.py trains from a HF folder at tp=2,
 its first loss being the HF model's own loss on the same batch.
 """
@@ -8,34 +8,20 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.mains import run_main
 
 ROOT = Path(__file__).resolve().parents[2]
 EOS = 0  # the trained tokenizer's <|endoftext|>
 FINETUNE = ["--steps", "40", "--eval-interval", "20", "--set", "training.seq_length=32",
             "training.micro_batch_size=8", "training.global_batch_size=16", "training.lr=2e-3",
             "training.warmup_steps=2", "training.eval_iters=1", "training.log_interval=10"]
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(nproc: int, script: str, args: list) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(_free_port()), str(ROOT / script), *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
 def reverse_rows(n: int, seed: int = 0) -> list[dict]:
@@ -78,14 +64,16 @@ def response_loss(model, tok, rows) -> float:
     return total / count
 
 
-def test_finetune_tp2_exports_a_better_hf_model(task, tmp_path):
+def test_finetune_tp2_exports_a_better_hf_model(task, tmp_path, dist_run):
+    """launch/finetune.py's main at tp=2, in the 2-rank pool as torchrun runs it (tests/mains.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     hf, data, rows = task
     out = tmp_path / "sft"
-    proc = torchrun(2, "launch/finetune.py", ["--init", hf, "--data", data, "--tp", "2", "--out", out, *FINETUNE])
-    log = proc.stdout
-    assert proc.returncode == 0, log[-3000:] + proc.stderr[-3000:]
+    ranks = dist_run(2, run_main, "zoo.dispatch:finetune_main",
+                     ["--init", hf, "--data", data, "--tp", "2", "--out", out, *FINETUNE])
+    assert [code for code, _, _ in ranks] == [0, 0], [err[-3000:] for _, _, err in ranks]
+    log = "".join(stdout for _, stdout, _ in ranks)
     assert "tp=2 pp=1 dp=1" in log and "60 training examples, validation 4 examples" in log
     assert f"HF model {out / 'hf'}" in log
     assert "sample (greedy) for the first validation prompt: 'reverse " in log

@@ -1,20 +1,19 @@
 """Classification fine-tuning of BERT: a tiny BERT (a random "bert" pretraining folder with a WordPiece vocabulary
-trained on the task) learns "good"/"bad" sentiment at tp=2 under torchrun, from a partially loaded init (encoder and
-pooler from the folder, a new classifier); the exported zoo and HF folders carry the label names; the metrics and
-the partial loading are checked on their own; bad inputs are refused in one line before anything is written."""
+trained on the task) learns "good"/"bad" sentiment at tp=2 (the command's main in the 2-rank pool, as torchrun runs
+it), from a partially loaded init (encoder and pooler from the folder, a new classifier); the exported zoo and HF
+folders carry the label names; the metrics and the partial loading are checked on their own; bad inputs are refused
+in one line before anything is written."""
 
 from __future__ import annotations
 
 import json
-import os
 import random
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.mains import run_main
 
 ROOT = Path(__file__).resolve().parents[2]
 GOOD = ["good", "great", "fine", "lovely"]
@@ -35,12 +34,6 @@ def sentiment_rows(n: int, seed: int, long: int = 0) -> list[dict]:
         words.insert(rng.randint(0, 3), rng.choice(GOOD if label == "pos" else BAD))  # early: kept by truncation
         rows.append({"text": " ".join(words), "label": label})
     return rows
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -107,18 +100,16 @@ def test_classifier_init_loads_encoder_and_pooler_and_makes_the_head(task, tmp_p
     assert (tmp_path / "init" / "tokenizer.json").is_file()
 
 
-def test_finetune_tp2_learns_and_exports(task, tmp_path):
+def test_finetune_tp2_learns_and_exports(task, tmp_path, dist_run):
+    """zoo.finetune.bert's main at tp=2, in the 2-rank pool as torchrun runs it (tests/mains.py)."""
     root, bert, train, valid = task
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           "-m", "zoo.finetune.bert", "--init", str(bert), "--data", str(train), "--valid-data", str(valid),
-           "--tp", "2", "--out", str(out), *FINETUNE]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "done: zoo model" in proc.stdout, log[-4000:]
-    assert f"warning: {LONG} of 240 example(s) are longer than training.seq_length 24" in proc.stderr, log[-3000:]
-    assert "new: 3.classifier.bias, 3.classifier.weight" in proc.stdout  # encoder and pooler came from --init
+    ranks = dist_run(2, run_main, "zoo.finetune.bert:main", ["--init", bert, "--data", train, "--valid-data", valid,
+                                                              "--tp", "2", "--out", out, *FINETUNE])
+    stdout, stderr = "".join(r[1] for r in ranks), "".join(r[2] for r in ranks)
+    assert [r[0] for r in ranks] == [0, 0] and "done: zoo model" in stdout, (stdout + stderr)[-4000:]
+    assert f"warning: {LONG} of 240 example(s) are longer than training.seq_length 24" in stderr, stderr[-3000:]
+    assert "new: 3.classifier.bias, 3.classifier.weight" in stdout  # encoder and pooler came from --init
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "val_accuracy" in r]
     assert [r["step"] for r in evals] == [0, 30, 60]
@@ -126,7 +117,7 @@ def test_finetune_tp2_learns_and_exports(task, tmp_path):
     assert all("accuracy" in r and "f1" in r for r in records if "loss" in r)
     labels = json.loads((out / "model" / "labels.json").read_text())
     assert labels["id2label"] == {"0": "neg", "1": "pos"}
-    assert "classify: " in proc.stdout
+    assert "classify: " in stdout
 
     from zoo.training.families.bert import classify_examples
 
@@ -209,7 +200,7 @@ def test_bad_inputs_one_line_and_nothing_written(task, tmp_path, capsys):
     assert not out.exists()
 
 
-def test_init_from_a_huggingface_bert(task, tmp_path):
+def test_init_from_a_huggingface_bert(task, tmp_path, dist_run):
     """--init a HF BertForMaskedLM folder: imported with zoo.convert.hf_bert, its encoder loads, pooler and
     classifier are new (BertForMaskedLM has no pooler)."""
     pytest.importorskip("zoo.convert.hf_bert")
@@ -228,13 +219,11 @@ def test_init_from_a_huggingface_bert(task, tmp_path):
     for f in (root / "tokenizer").iterdir():
         shutil.copy(f, hf / f.name)
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "zoo.finetune.bert", "--init", str(hf), "--data", str(train),
-                           "--valid-data", str(valid), "--out", str(out), "--steps", "2", "--eval-interval", "0",
-                           "--no-sample", "--set", "training.seq_length=24"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0 and "done: zoo model" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
-    assert "new: 3.classifier.bias, 3.classifier.weight, 3.pooler.dense.bias, 3.pooler.dense.weight" in proc.stdout
+    [(code, stdout, stderr)] = dist_run(1, run_main, "zoo.finetune.bert:main", [
+        "--init", hf, "--data", train, "--valid-data", valid, "--out", out, "--steps", "2", "--eval-interval", "0",
+        "--no-sample", "--set", "training.seq_length=24"])
+    assert code == 0 and "done: zoo model" in stdout, (stdout + stderr)[-3000:]
+    assert "new: 3.classifier.bias, 3.classifier.weight, 3.pooler.dense.bias, 3.pooler.dense.weight" in stdout
     init = dict(iter_tensors(out / "init-model"))
     ref = BertForMaskedLM.from_pretrained(hf).state_dict()
     assert torch.equal(init["tied_modules.embed.word_embeddings.weight"], ref["bert.embeddings.word_embeddings.weight"])

@@ -3,13 +3,18 @@ estimate follows from it, and a length the split cannot take is refused before a
 
 import json
 
-from zoo.bench.long_context import main
+from zoo.bench.long_context import main, measure_rank
 
 
-def test_activation_memory_per_rank_halves_at_cp2(tmp_path, capsys):
+def test_activation_memory_per_rank_halves_at_cp2(tmp_path, capsys, dist_run):
+    """Each cp-rank world is the test's pool of that size instead of processes spawned by the benchmark."""
+    def pool_world(args, cp):
+        ranks = dist_run(cp, measure_rank, args, cp)
+        return sorted((r for rows in ranks for r in rows), key=lambda r: (r["seq_length"], r["rank"]))
+
     out_json = tmp_path / "long.json"
     rc = main(["--seq-lengths", "256", "512", "--cp", "1", "2", "--steps", "1", "--warmup", "0", "--threads", "1",
-               "--memory-budget-gb", "1", "--json", str(out_json)])
+               "--memory-budget-gb", "1", "--json", str(out_json)], world=pool_world)
     out = capsys.readouterr().out
     assert rc == 0, out
     report = json.loads(out_json.read_text())

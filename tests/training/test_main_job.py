@@ -1,31 +1,23 @@
 """The main job as a user runs it: embedded corpus -> BPE tokenizer -> training with evaluation -> every artifact.
 
 The full-length run (README, under 5 minutes on 2 idle cores) is not repeated here; the same command is run for a few
-steps at pp=2 under torchrun (the plain-process path is every other launch/train.py test's), and everything it
-promises to write is checked. Its samples come from the export read back in one plain process (a world of one),
+steps at pp=2, its main in the 2-rank pool as torchrun runs it (tests/mains.py; the launchers have tests of their
+own), and everything it promises to write is checked. Its samples come from the export read back in one plain process (a world of one),
 from the one-file-per-stage folder a pp=2 run writes; launch/generate.py's own tests are tests/models/test_generate.py.
 """
 
 import json
-import os
 import re
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.mains import run_main
 
 ROOT = Path(__file__).resolve().parents[2]
 SHORT = ["--steps", "6", "--eval-interval", "3", "--save-interval", "3", "--set", "training.eval_iters=2",
          "training.log_interval=3", "training.seq_length=64", "training.micro_batch_size=4",
          "training.global_batch_size=8"]
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +57,12 @@ def check_run_folder(out: Path, log: str):
     assert "done: metrics in" in log
 
 
-def test_main_job_pp2_under_torchrun(tmp_path, cache_dir):
+def test_main_job_pp2(tmp_path, cache_dir, dist_run):
+    """launch/train.py's main at pp=2 in the 2-rank pool, as torchrun runs it (tests/mains.py)."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           str(ROOT / "launch/train.py"), "--pp", "2", "--out", str(out), *SHORT, f"data.cache_dir={cache_dir}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    check_run_folder(out, proc.stdout)
-    assert "tp=1 pp=2 dp=1" in proc.stdout and "data: embedded" in proc.stdout
+    ranks = dist_run(2, run_main, "zoo.training.train:main", ["--pp", "2", "--out", out, *SHORT,
+                                                               f"data.cache_dir={cache_dir}"])
+    assert [code for code, _, _ in ranks] == [0, 0], [err[-3000:] for _, _, err in ranks]
+    log = "".join(stdout for _, stdout, _ in ranks)
+    check_run_folder(out, log)
+    assert "tp=1 pp=2 dp=1" in log and "data: embedded" in log

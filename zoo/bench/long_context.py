@@ -255,7 +255,10 @@ def _mib(n) -> str:
     return "-" if n is None else f"{n / 2**20:.1f}"
 
 
-def main(argv=None) -> int:
+def main(argv=None, world=None) -> int:
+    """The benchmark. ``world(args, cp)`` returns the rows of every rank of a cp-rank world running
+    :func:`measure_rank` (default :func:`spawn`: processes started here; tests pass their long-lived pools)."""
+    world = world or spawn
     args = build_parser().parse_args(argv)
     for name in ("batch_size", "steps"):
         if getattr(args, name) < 1:
@@ -279,7 +282,7 @@ def main(argv=None) -> int:
           f"cores {_cores()} | threads per rank {args.threads or f'cores / cp'}", flush=True)
     rows, fits = [], []
     for cp in args.cp:
-        got = spawn(args, cp)
+        got = world(args, cp)
         for r in got:
             print(f"cp={cp} rank {r['rank']} | seq {r['seq_length']:>6} ({r['local_tokens']} local tokens) | "
                   f"activations {_mib(r['activation_bytes'])} MiB ({r['activation_bytes'] / r['local_tokens']:.0f} "
