@@ -225,12 +225,19 @@ def test_finetune_from_exported_model_on_folders(seg_run, tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def diffusion_run(tmp_path_factory):
+    """launch/train.py's main in this process (a world of one), with W&B offline beside TensorBoard."""
     from zoo.training.train import main
 
     out = tmp_path_factory.mktemp("diffusion") / "run"
-    assert main(["--config", str(CONFIGS["diffusion"]), "--out", str(out), "--steps", "12", "--eval-interval", "12",
-                 "--set", "training.eval_iters=2", "training.micro_batch_size=8", "training.global_batch_size=8",
-                 "training.warmup_steps=2"]) == 0
+    before = os.environ.get("WANDB_MODE")
+    os.environ["WANDB_MODE"] = "offline"
+    try:
+        assert main(["--config", str(CONFIGS["diffusion"]), "--out", str(out), "--steps", "12", "--eval-interval",
+                     "12", "--set", "training.eval_iters=2", "training.micro_batch_size=8",
+                     "training.global_batch_size=8", "training.warmup_steps=2",
+                     "training.loggers=[tensorboard,wandb]"]) == 0
+    finally:
+        os.environ.pop("WANDB_MODE") if before is None else os.environ.update(WANDB_MODE=before)
     return out
 
 
@@ -243,6 +250,13 @@ def test_diffusion_run_learns_and_writes_its_sample_grid(diffusion_run, tmp_path
     assert valid[-1]["val_loss"] < valid[0]["val_loss"]
     grid = Image.open(diffusion_run / "samples.png")
     assert grid.size == (4 * 64 + 5 * 2,) * 2  # 16 images of 16x16 drawn at 64x64, 2-pixel gaps
+    # The samples drawn from the export after training are in the W&B run too, at the last step: the very PNG.
+    from tests.training.test_loggers import read_wandb_run
+
+    run = read_wandb_run(diffusion_run)
+    image = run["history"][12]
+    assert image["samples/_type"] == "image-file"
+    assert (run["dir"] / "files" / image["samples/path"]).read_bytes() == (diffusion_run / "samples.png").read_bytes()
     assert main(["--ckpt", str(diffusion_run), "--out", str(tmp_path / "g.png"), "--num", "3", "--steps", "4",
                  "--seed", "7"]) == 0
     assert main(["--ckpt", str(diffusion_run / "model"), "--out", str(tmp_path / "h.png"), "--num", "3", "--steps",

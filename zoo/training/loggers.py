@@ -3,7 +3,8 @@
 - ``tensorboard``: event files in ``OUT/tb``, scalars ``train/<key>`` and ``val/<key>`` (skipped without the
   ``tensorboard`` package: metrics.jsonl has everything).
 - ``wandb``: a Weights & Biases run with the same scalars under the same names at the same steps, plus the
-  pictures the run draws (the loss curve at the end, a U-Net's prediction grid after each evaluation). Project, run
+  pictures the run draws (the loss curve at the end, a U-Net's prediction grid after each evaluation, and what
+  launch/train.py draws from the exported model at the end: the diffusion samples, the segmentation grid). Project, run
   name and tags come from ``training.wandb_project``, ``wandb_name``, ``wandb_tags``; the run config is the W&B
   config. ``WANDB_MODE=offline`` writes the run under ``OUT/wandb`` with no network (``wandb sync`` uploads it
   later). The run id is kept in ``OUT/wandb/zoo-run-id``, so a resumed run continues the same W&B run.

@@ -163,16 +163,16 @@ def start_run(cfg: RunConfig, grid, banner: str, warning: str | None = None) -> 
 
 
 def train_and_save(cfg: RunConfig, model_cfg, grid, data, *, resume=None, universal: bool = False,
-                   export: bool | None = None):
+                   export: bool | None = None, keep_metrics: bool = False):
     """``zoo.training.train.train`` to ``training.steps`` with a progress bar, then (``export``; None: when
     ``training.save``) the model as ``<out>/model`` (``io.save_model``: every rank's slices, layout-free, with
     ``data.tokenizer_dir``'s tokenizer). The engine is destroyed; returns the ``RunResult`` (losses, validation
-    losses) without it."""
+    losses) without it; with ``keep_metrics``, its ``metrics`` writer still open (the caller closes it)."""
     from zoo.convert.io import save_model
     from zoo.training.train import destroy_engine, train
 
     result = train(cfg, model_cfg, grid, log=say, resume=resume, universal=universal, data=data, keep_engine=True,
-                   progress=True)
+                   progress=True, keep_metrics=keep_metrics)
     engine, result.engine = result.engine, None
     if cfg.training.save if export is None else export:
         save_model(Path(cfg.out) / "model", engine.module, grid, cfg.model.family, model_cfg.to_dict(),

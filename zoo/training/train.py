@@ -377,10 +377,12 @@ class RunResult:
     start_step: int
     engine: object = None
     memory: dict | None = None  # the first step's measured bytes, lists by rank (zoo.training.memory)
+    metrics: object = None  # with keep_metrics: the open MetricsWriter (the caller logs end pictures, closes it)
 
 
 def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal: bool = False,
-          data: Data | None = None, keep_engine: bool = False, progress: bool = False) -> list[float] | RunResult:
+          data: Data | None = None, keep_engine: bool = False, progress: bool = False,
+          keep_metrics: bool = False) -> list[float] | RunResult:
     """Run from step 0 (or the checkpoint ``resume``) to ``cfg.training.steps``.
 
     Returns the per-step losses (on every rank), or a ``RunResult`` with the engine still alive when
@@ -547,9 +549,10 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
         log(mem.summary(memory_bytes))
     if grid.rank == 0 and metrics.records:
         metrics.image("loss_curve", plot_losses(metrics.records, out / "loss.png"), metrics.records[-1]["step"])
-    metrics.close()
+    if not (keep_engine and keep_metrics):
+        metrics.close()
     if keep_engine:
-        return RunResult(losses, val_losses, start, engine, memory_bytes)
+        return RunResult(losses, val_losses, start, engine, memory_bytes, metrics if keep_metrics else None)
     destroy_engine(engine)  # frees DeepSpeed's hooks and buffers; tests train many engines in one process
     return losses
 
@@ -652,15 +655,22 @@ def run(args, cfg: RunConfig, model_cfg, resume, universal: bool) -> int:
                              f"zero={cfg.parallel.zero_stage} | global batch {cfg.global_batch_size}"
                              f"{per_sample} | {cfg.training.precision} | data: {cfg.data.source}")
         data = build_data(cfg, model_cfg, grid)
-        result = train_and_save(cfg, model_cfg, grid, data, resume=resume, universal=universal)
+        result = train_and_save(cfg, model_cfg, grid, data, resume=resume, universal=universal, keep_metrics=True)
+    metrics = result.metrics  # still open: the pictures drawn from the export go to the loggers too (W&B)
+    try:
         if rank0:
             if result.val_losses:
                 say(loss_change(result.val_losses, share=True))
             say(f"done: metrics in {out / 'metrics.jsonl'} | TensorBoard: tensorboard --logdir {out / 'tb'} | "
                 f"loss plot {out / 'loss.png'}" + (f" | checkpoints {out / 'checkpoints'} | model {out / 'model'}"
                                                     if cfg.training.save else ""))
-    if rank0 and cfg.training.save and not args.no_sample:
-        family.after_training(out / "model", say)
+        if rank0 and cfg.training.save and not args.no_sample:
+            pictures = family.after_training(out / "model", say) or {}
+            step = metrics.records[-1]["step"] if metrics.records else cfg.training.steps
+            for key, path in pictures.items():
+                metrics.image(key, path, step)
+    finally:
+        metrics.close()
     return 0
 
 

@@ -97,8 +97,9 @@ class Family:
     def after_evaluation(self, engine, cfg, grid, data, step: int) -> None:
         """Called on every rank after each evaluation (collective work allowed), e.g. to draw predictions."""
 
-    def after_training(self, model_dir, log) -> None:
-        """Anything shown at the end from the exported model (a text sample, an image grid); global rank 0 alone."""
+    def after_training(self, model_dir, log) -> dict | None:
+        """Anything shown at the end from the exported model (a text sample, an image grid); global rank 0 alone.
+        Returns the pictures it drew, ``{logger key: PNG path}``, for the loggers that show pictures (W&B)."""
 
 
 def get_family(name: str) -> Family:

@@ -395,7 +395,7 @@ class SegmentationFamily(_UNetFamily):
         names = CLASSES if source != "folders" and classes == len(CLASSES) else None
         return draw_segmentation_grid(images, masks, predictions, classes, path, shown, names)
 
-    def after_training(self, model_dir, log) -> None:
+    def after_training(self, model_dir, log) -> dict:
         """The grid from the exported model, read back from disk in this process (any training layout)."""
         from zoo.generate.unet import PretrainedUNet
         from zoo.training.config import DataSection
@@ -418,6 +418,7 @@ class SegmentationFamily(_UNetFamily):
         path = self.draw(images, masks, model.segment(images), model.config.classes, grid_path(out, step),
                          f"step {step} (exported model)", source=data.source)
         log(f"segmentation grid (image / true mask / predicted): {path}")
+        return {"predictions/exported_model": path}
 
 
 def _forward_all_stages(module, x, grid, device):
@@ -514,7 +515,7 @@ class DiffusionFamily(_UNetFamily):
                 valid = ImageFolder(images, channels=ch, seed=seed, stems=v_stems, shuffle=False) if v_stems else None
         return Data(NoisedImages(train, seed), None if valid is None else NoisedImages(valid, seed + 1))
 
-    def after_training(self, model_dir, log, num: int = SAMPLE_IMAGES, steps: int = SAMPLE_STEPS) -> None:
+    def after_training(self, model_dir, log, num: int = SAMPLE_IMAGES, steps: int = SAMPLE_STEPS) -> dict:
         """``OUT/samples.png``: ``num`` images sampled from the exported model (``steps`` DDPM steps), read back
         from disk in this process."""
         from zoo.generate.unet import sample_grid
@@ -523,6 +524,7 @@ class DiffusionFamily(_UNetFamily):
         seed = int((read_run_config(out).get("training") or {}).get("seed", 0))
         path = sample_grid(model_dir, out / "samples.png", num=num, steps=steps, seed=seed)
         log(f"samples ({num} images, {steps} DDPM steps, seed {seed}): {path}")
+        return {"samples": path}
 
 
 FAMILIES = {"unet-segmentation": SegmentationFamily(), "unet-diffusion": DiffusionFamily()}
