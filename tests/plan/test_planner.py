@@ -127,7 +127,7 @@ def test_memory_follows_the_zero_rules():
     assert mem[2]["grads"] == 6 * n / 8 and mem[3]["params"] == 2 * n / 8 + 2 * small
     assert 0 < small < n / 1000  # norms only: every matrix of a 7B model is partitioned
     assert mem[3]["activations"] == mem[0]["activations"]
-    assert mem[1]["buffers"] - mem[0]["buffers"] == 500_000_000 * 2  # DeepSpeed's bf16 reduction bucket
+    assert mem[1]["buffers"] - mem[0]["buffers"] == 500_000_000 * 2  # the bf16 reduction bucket: 7B > its 5e8 cap
 
 
 def test_json_only_and_write_config(tmp_path, capsys):

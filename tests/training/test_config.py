@@ -107,6 +107,12 @@ def test_derived_batch_numbers_and_deepspeed_json():
     assert ds["train_batch_size"] == 32 == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 2
     assert ds["zero_optimization"]["stage"] == 1
     assert ds["pipeline"] == {"pipe_partitioned": False, "grad_partitioned": False}
+    # ZeRO's reduction bucket: the rank's parameters, at most DeepSpeed's default 5e8 (what it allocates, always)
+    assert "reduce_bucket_size" not in ds["zero_optimization"]
+    assert deepspeed_config(cfg, rank_parameters=123_457)["zero_optimization"]["reduce_bucket_size"] == 123_457
+    assert deepspeed_config(cfg, rank_parameters=7 * 10**9)["zero_optimization"]["reduce_bucket_size"] == 5 * 10**8
+    cfg.parallel.zero_stage = 0  # no ZeRO, no bucket
+    assert "reduce_bucket_size" not in deepspeed_config(cfg, rank_parameters=123_457)["zero_optimization"]
 
 
 def test_expert_parallel_run_config():

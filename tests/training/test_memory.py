@@ -18,7 +18,6 @@ from zoo.training.memory import activations_held
 
 ROOT = Path(__file__).resolve().parents[2]
 FP32 = 4
-BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size, in elements
 COMMON = ["training.micro_batch_size=2", "training.global_batch_size=8", "training.seq_length=32",
           "data.source=synthetic", "training.save=false", "training.eval_interval=0", "training.log_interval=100"]
 
@@ -109,8 +108,8 @@ def train_measured(overrides, out, persistence_threshold=None):
     grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp)
     make_config = training.deepspeed_config
     if persistence_threshold is not None:  # ZeRO-3 keeps parameters under it gathered: every one of the tiny GPT
-        training.deepspeed_config = lambda c: {**make_config(c), "zero_optimization": {
-            **make_config(c)["zero_optimization"], "stage3_param_persistence_threshold": persistence_threshold}}
+        training.deepspeed_config = lambda c, **kw: {**make_config(c, **kw), "zero_optimization": {
+            **make_config(c, **kw)["zero_optimization"], "stage3_param_persistence_threshold": persistence_threshold}}
     lines = []
     try:
         result = training.train(cfg, model_cfg, grid, log=lines.append, keep_engine=True)
@@ -172,11 +171,11 @@ def test_zero12_partitions_masters_and_adam_over_dp(dist_run, tmp_path, stage, s
     n, (parts, overlapped) = single["params"], zero12_partitions(single["shapes"], 2)
     assert memory["params"] == [FP32 * 2 * sum(parts)] * 2  # the flat buffers, whole on every rank
     assert memory["optimizer"] == [3 * FP32 * sum(parts) + 4 * len(parts)] * 2  # fp32 masters, exp_avg, exp_avg_sq
-    assert memory["grad_buckets"] == [FP32 * BUCKET] * 2
+    assert memory["grad_buckets"] == [FP32 * n] * 2  # zoo's reduce_bucket_size: the rank's parameters (n < 5e8)
     if stage == 1:  # before the second (last) micro-batch's reduction: the bucket and every full gradient
-        assert memory["grads"] == [FP32 * (BUCKET + n)] * 2
+        assert memory["grads"] == [FP32 * (n + n)] * 2
     else:  # the bucket, the first micro-batch's reduced gradients of this rank's partition and the second's
-        assert memory["grads"] == [FP32 * (BUCKET + 2 * o) for o in overlapped]
+        assert memory["grads"] == [FP32 * (n + 2 * o) for o in overlapped]
     assert memory["activations"] == single["memory"]["activations"] * 2  # the same micro-batch on every rank
 
 
@@ -187,5 +186,5 @@ def test_zero3_partitions_parameters_and_excludes_gathered_ones_from_activations
     partition = sum(math.ceil(math.prod(s) / 2) for s in ranks[0]["shapes"])  # every parameter split in two
     assert memory["params"] == [FP32 * partition] * 2
     assert memory["optimizer"] == [3 * FP32 * partition + 4 * 2] * 2  # two parameter groups
-    assert memory["grad_buckets"] == [FP32 * BUCKET] * 2
+    assert memory["grad_buckets"] == [FP32 * sum(math.prod(s) for s in ranks[0]["shapes"])] * 2  # the rank's params
     assert memory["activations"] == single["memory"]["activations"] * 2

@@ -21,7 +21,8 @@ Memory per GPU (the fullest stage's rank):
   parts by tp; full recomputation keeps each block's input plus one block while it is recomputed; under 1F1B
   stage k holds min(p - k, m) micro-batches in flight, so the first stage holds the most (Narayanan et al.,
   arXiv 2104.04473, Sec. 2.2); the last stage adds the vocab-parallel cross entropy's fp32 softmax;
-- buffers: DeepSpeed's gradient bucket (ZeRO-1/2), gathered blocks (ZeRO-3), pipeline send/receive buffers, the
+- buffers: ZeRO's gradient bucket (as many elements as the stage's parameters per rank, at most 5e8: zoo's
+  ``reduce_bucket_size``), gathered blocks (ZeRO-3), pipeline send/receive buffers, the
   logits and their gradient; plus a fixed reserve for the CUDA context, NCCL and fragmentation.
 These are held against what zoo's own runs measure (metrics.jsonl's first step) by tests/plan.
 

@@ -10,12 +10,12 @@ import math
 from dataclasses import dataclass, field
 
 from zoo.plan.hardware import GPU, GiB
+from zoo.training.config import reduce_bucket_elements
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}  # fp32 moments per parameter (SGD: momentum)
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("flash", "unfused")
-DEEPSPEED_BUCKET = 500_000_000  # elements: DeepSpeed's reduce_bucket_size and allgather_bucket_size defaults
 ZERO3_PERSISTENCE = 100_000  # elements: DeepSpeed's stage3_param_persistence_threshold (smaller tensors stay whole)
 
 
@@ -468,8 +468,8 @@ def estimate(job: Job, lay: Layout, gpu: GPU, cache: dict | None = None) -> Esti
         expert = state_bytes(stage.expert, expert_parts, lay.zero, job.dtype, job.optimizer, m, 0, pipe)
         act = activation_bytes(c, stage, lay, job.dtype, s // lay.cp, m, unfused, gpu.checkpoint_state_bytes)
         buffers = 0.0
-        if lay.zero >= 1:  # DeepSpeed's reduction bucket (two with a pipeline), in the gradients' dtype
-            buffers += DEEPSPEED_BUCKET * (4 if a == 4 else a) * (2 if lay.pp > 1 and lay.zero < 3 else 1)
+        if lay.zero >= 1:  # ZeRO's reduction bucket (two with a pipeline), in the gradients' dtype, as zoo sizes it
+            buffers += reduce_bucket_elements(stage.dense + stage.expert) * a * (2 if lay.pp > 1 and lay.zero < 3 else 1)
         if lay.zero == 3:  # a gathered block and the prefetched next one
             one_of_each = {c.is_moe_layer(i): i for i in stage.blocks}.values()
             buffers += 2 * max((sum(block_params(c, i, lay.tp, lay.ep)) for i in one_of_each), default=0) * a

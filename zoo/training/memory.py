@@ -30,8 +30,8 @@ count nothing; all others count wherever they live (CPU offload included).
                  partition's gradients, made group by group), and the buffers of :data:`GRADIENT_BUFFERS`, among them
                  BF16_Optimizer's gradient accumulators ``fp32_groups_gradients_flat`` (named fp32, held in
                  DeepSpeed's ``grad_accum_dtype``: bf16 unless configured) and DeepSpeed's reduction buckets:
-                 ZeRO-1/2 allocates one of ``reduce_bucket_size`` elements (5e8 by default: 2 GB in fp32, 1 GB in
-                 bf16) at the first gradient of a step, at pp > 1 a second one for the reduction, and frees them
+                 ZeRO-1/2 allocates one of ``reduce_bucket_size`` elements (zoo sets it to the rank's parameters,
+                 at most DeepSpeed's default 5e8: 2 GB in fp32, 1 GB in bf16) at the first gradient of a step, at pp > 1 a second one for the reduction, and frees them
                  when the step's gradients are reduced; ZeRO-3 allocates its bucket with the optimizer and keeps it.
                  The buckets' share of that peak is also reported alone (``grad_buckets``). Sampled after
                  every backward (after every instruction at pp > 1), on entering and leaving each bucket reduction

@@ -134,7 +134,7 @@ def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False, init_
     # Dropout streams, independent of how many layers this rank built; per CP rank too (other tokens).
     model_parallel_seed(tr.seed, grid.tp_rank, grid.cp_rank)
     schedule = partial(lr_factor, steps=tr.steps, warmup_steps=tr.warmup_steps, min_ratio=tr.min_lr / tr.lr)
-    ds_config = deepspeed_config(cfg)
+    ds_config = deepspeed_config(cfg, rank_parameters=sum(p.numel() for p in module.parameters()))
     if universal:  # resuming a checkpoint saved in another layout (zoo.training.checkpoint)
         ds_config["checkpoint"] = {"load_universal": True}
     groups = param_groups(module, tr.weight_decay)
