@@ -225,12 +225,15 @@ def test_finetune_from_exported_model_on_folders(seg_run, tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def diffusion_run(tmp_path_factory):
-    """launch/train.py's main in this process (a world of one), with W&B offline beside TensorBoard."""
+    """launch/train.py's main in this process (a world of one), with W&B offline beside TensorBoard; its end-of-run
+    grid sampled in 10 DDPM steps instead of the 250 a real run takes (the sampler's own tests are elsewhere)."""
+    import zoo.training.families.unet as unet
     from zoo.training.train import main
 
     out = tmp_path_factory.mktemp("diffusion") / "run"
-    before = os.environ.get("WANDB_MODE")
+    before, sample_steps = os.environ.get("WANDB_MODE"), unet.SAMPLE_STEPS
     os.environ["WANDB_MODE"] = "offline"
+    unet.SAMPLE_STEPS = 10
     try:
         assert main(["--config", str(CONFIGS["diffusion"]), "--out", str(out), "--steps", "12", "--eval-interval",
                      "12", "--set", "training.eval_iters=2", "training.micro_batch_size=8",
@@ -238,6 +241,7 @@ def diffusion_run(tmp_path_factory):
                      "training.loggers=[tensorboard,wandb]"]) == 0
     finally:
         os.environ.pop("WANDB_MODE") if before is None else os.environ.update(WANDB_MODE=before)
+        unet.SAMPLE_STEPS = sample_steps
     return out
 
 
