@@ -7,7 +7,6 @@ Every fp32 run is kept (``layout_run``): the communication counts below and the 
 """
 
 import json
-import os
 import tempfile
 from pathlib import Path
 
@@ -168,14 +167,11 @@ def test_communication_equals_the_closed_form(dist_run, layout):
 # take a cold machine ~20 s per block shape, so the layouts beyond one process capture with aot_eager: what a
 # layout can break (DeepSpeed's hooks around the compiled forward, SP's collectives, the pipeline's calls,
 # recompilation) is in the capture; the kernels are the same for a block of the same shapes.
-# tp2+SP and ZeRO-3 cost ~30 s more (SP's collectives break the graph into 26 pieces, each traced on both ranks):
-# they run with ZOO_FULL_TESTS=1 (both pass, with inductor too, by hand); the suite keeps one process and pp2.
-FULL = pytest.mark.skipif(not os.environ.get("ZOO_FULL_TESTS"), reason="~30 s; set ZOO_FULL_TESTS=1")
+# tp2+SP and ZeRO-3 cost ~30 s more (SP's collectives break the graph into 26 pieces, each traced on both ranks).
 
 
-@pytest.mark.parametrize("layout,backend", [("single", "inductor"), ("pp2", "aot_eager"),
-                                            pytest.param("tp2-sp", "aot_eager", marks=FULL),
-                                            pytest.param("dp2-zero3", "aot_eager", marks=FULL)])
+@pytest.mark.parametrize("layout,backend", [("single", "inductor"), ("pp2", "aot_eager"), ("tp2-sp", "aot_eager"),
+                                            ("dp2-zero3", "aot_eager")])
 def test_compiled_blocks_train_like_eager(dist_run, layout, backend):
     expected = reference(dist_run, "gpt2")
     losses, records = layout_run(dist_run, "gpt2", layout, ["training.compile=true",
