@@ -41,7 +41,8 @@ def check(config, name: str, records, fused: bool = False) -> None:
         assert abs(predicted / (got - buckets) - 1) < 0.10, (name, rank, predicted, got - buckets, measured)
         # ZeRO's reduction bucket: as many elements as the rank's stage holds parameters (zoo's reduce_bucket_size)
         held = stages(config, lay.tp, lay.pp)[stage]
-        expect_buckets = 0 if lay.zero == 0 else (held.dense + held.expert) * 4 * (2 if lay.pp > 1 and lay.zero < 3 else 1)
+        buckets_held = 2 if lay.pp > 1 and lay.zero < 3 else 1
+        expect_buckets = 0 if lay.zero == 0 else (held.dense + held.expert) * 4 * buckets_held
         assert buckets == expect_buckets, (name, rank, buckets)
 
 

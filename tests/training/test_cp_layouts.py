@@ -6,7 +6,8 @@ every step. One reference run per model serves every layout. Ulysses and ring at
 sequence parallelism, with pp=2, with dp=2 under ZeRO-2, with ZeRO-3, and with activation checkpointing; bf16 at cp=2
 stays within 2% of fp32. Then a checkpoint saved
 at cp=2 (ZeRO-1) resumes at cp=1 (DeepSpeed's data-parallel size 2 -> 1: the universal checkpoint), one saved with
-dropout resumes at cp=2 exactly (each CP rank's RNG), and the CLI (``--cp 2``, its main as torchrun runs it) trains the same losses.
+dropout resumes at cp=2 exactly (each CP rank's RNG), and the CLI (``--cp 2``, its main as torchrun runs it) trains
+the same losses.
 """
 
 import json

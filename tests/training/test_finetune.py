@@ -1,7 +1,7 @@
 """Fine-tuning end to end: a tiny random HF GPT-2 (with a BPE tokenizer trained on the task) is fine-tuned at tp=2
-(launch/finetune.py's main in the 2-rank pool, as torchrun runs it) on "reverse <word>:" -> " <drow>", and the exported HF folder is checked with transformers alone;
-bad inputs are refused in one line before anything is written; and launch/train.py trains from a HF folder at tp=2,
-its first loss being the HF model's own loss on the same batch.
+(launch/finetune.py's main in the 2-rank pool, as torchrun runs it) on "reverse <word>:" -> " <drow>", and the
+exported HF folder is checked with transformers alone; bad inputs are refused in one line before anything is written;
+and launch/train.py trains from a HF folder at tp=2, its first loss being the HF model's own loss on the same batch.
 """
 
 from __future__ import annotations

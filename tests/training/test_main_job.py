@@ -2,8 +2,9 @@
 
 The full-length run (README, under 5 minutes on 2 idle cores) is not repeated here; the same command is run for a few
 steps at pp=2, its main in the 2-rank pool as torchrun runs it (tests/mains.py; the launchers have tests of their
-own), and everything it promises to write is checked. Its samples come from the export read back in one plain process (a world of one),
-from the one-file-per-stage folder a pp=2 run writes; launch/generate.py's own tests are tests/models/test_generate.py.
+own), and everything it promises to write is checked. Its samples come from the export read back in one plain
+process (a world of one), from the one-file-per-stage folder a pp=2 run writes; launch/generate.py's own tests are
+tests/models/test_generate.py.
 """
 
 import json

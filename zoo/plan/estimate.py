@@ -6,7 +6,6 @@ are priced in a second.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from zoo.plan.hardware import GPU, GiB
@@ -469,7 +468,8 @@ def estimate(job: Job, lay: Layout, gpu: GPU, cache: dict | None = None) -> Esti
         act = activation_bytes(c, stage, lay, job.dtype, s // lay.cp, m, unfused, gpu.checkpoint_state_bytes)
         buffers = 0.0
         if lay.zero >= 1:  # ZeRO's reduction bucket (two with a pipeline), in the gradients' dtype, as zoo sizes it
-            buffers += reduce_bucket_elements(stage.dense + stage.expert) * a * (2 if lay.pp > 1 and lay.zero < 3 else 1)
+            held = 2 if lay.pp > 1 and lay.zero < 3 else 1
+            buffers += reduce_bucket_elements(stage.dense + stage.expert) * a * held
         if lay.zero == 3:  # a gathered block and the prefetched next one
             one_of_each = {c.is_moe_layer(i): i for i in stage.blocks}.values()
             buffers += 2 * max((sum(block_params(c, i, lay.tp, lay.ep)) for i in one_of_each), default=0) * a

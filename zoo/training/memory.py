@@ -31,12 +31,13 @@ count nothing; all others count wherever they live (CPU offload included).
                  BF16_Optimizer's gradient accumulators ``fp32_groups_gradients_flat`` (named fp32, held in
                  DeepSpeed's ``grad_accum_dtype``: bf16 unless configured) and DeepSpeed's reduction buckets:
                  ZeRO-1/2 allocates one of ``reduce_bucket_size`` elements (zoo sets it to the rank's parameters,
-                 at most DeepSpeed's default 5e8: 2 GB in fp32, 1 GB in bf16) at the first gradient of a step, at pp > 1 a second one for the reduction, and frees them
-                 when the step's gradients are reduced; ZeRO-3 allocates its bucket with the optimizer and keeps it.
-                 The buckets' share of that peak is also reported alone (``grad_buckets``). Sampled after
-                 every backward (after every instruction at pp > 1), on entering and leaving each bucket reduction
-                 (``reduce_ipg_grads``, ``independent_gradient_partition_epilogue``) and on entering the optimizer
-                 step and each inner optimizer step. Between two samples one parameter's fresh gradient can exist
+                 at most DeepSpeed's default 5e8: 2 GB in fp32, 1 GB in bf16) at the first gradient of a step, at
+                 pp > 1 a second one for the reduction, and frees them when the step's gradients are reduced;
+                 ZeRO-3 allocates its bucket with the optimizer and keeps it. The buckets' share of that peak is
+                 also reported alone (``grad_buckets``). Sampled after every backward (after every instruction at
+                 pp > 1), on entering and leaving each bucket reduction (``reduce_ipg_grads``,
+                 ``independent_gradient_partition_epilogue``) and on entering the optimizer step and each inner
+                 optimizer step. Between two samples one parameter's fresh gradient can exist
                  unseen (before the hook that copies it into the bucket frees it).
 ``activations``  the peak over the first step (forwards, backwards and optimizer step of all its micro-batches) of
                  the storages held for backward, counted as they come and go:

@@ -174,9 +174,14 @@ def train_and_save(cfg: RunConfig, model_cfg, grid, data, *, resume=None, univer
     result = train(cfg, model_cfg, grid, log=say, resume=resume, universal=universal, data=data, keep_engine=True,
                    progress=True, keep_metrics=keep_metrics)
     engine, result.engine = result.engine, None
-    if cfg.training.save if export is None else export:
-        save_model(Path(cfg.out) / "model", engine.module, grid, cfg.model.family, model_cfg.to_dict(),
-                   tokenizer_dir=data.tokenizer_dir)
+    try:
+        if cfg.training.save if export is None else export:
+            save_model(Path(cfg.out) / "model", engine.module, grid, cfg.model.family, model_cfg.to_dict(),
+                       tokenizer_dir=data.tokenizer_dir)
+    except BaseException:
+        if result.metrics is not None:  # the caller never gets it: close it here (a W&B run finishes)
+            result.metrics.close()
+        raise
     destroy_engine(engine)
     return result
 
