@@ -4,6 +4,7 @@ Layout of ``<out>/checkpoints``::
 
     latest                      the tag of the newest complete checkpoint (DeepSpeed's own convention)
     step_00000010/              DeepSpeed's files (model, optimizer, LR schedule) + zoo.json (step, layout, config)
+    step_00000010/ema/          with training.ema_decay: the weight average as a layout-free model folder
     step_00000010_universal/    made on demand when a run resumes in another layout (DeepSpeed universal checkpoint)
 
 Atomic saves: DeepSpeed writes into ``<tag>.partial``; once every rank has finished, rank 0 adds ``zoo.json``,
@@ -52,6 +53,7 @@ LATEST = "latest"
 META = "zoo.json"
 MANIFEST = "manifest.json"
 UNIVERSAL_SUFFIX = "_universal"
+EMA_FOLDER = "ema"  # the weight average (zoo.training.ema): a model folder, read in any layout
 HASH_CHUNK_BYTES = 16 * 1024**2
 
 
@@ -302,9 +304,10 @@ def _stop_if_any_failed(failure: BaseException | None, root: Path, partial: str,
 
 
 def save_checkpoint(engine, root: Path, step: int, meta: dict, client_state: dict, keep_last: int | None = None,
-                    cp_group=None, grid=None) -> Path:
+                    cp_group=None, grid=None, ema=None) -> Path:
     """Collective: every rank calls it. Returns the checkpoint folder. ``cp_group``: the grid's CP group (or None);
-    ``grid``: the run's grid, needed at ep > 1 (zoo writes the experts, :mod:`zoo.training.moe`)."""
+    ``grid``: the run's grid, needed at ep > 1 (zoo writes the experts, :mod:`zoo.training.moe`); ``ema``: a
+    collective ``ema(folder)`` that writes the run's weight average there (:mod:`zoo.training.ema`)."""
     from zoo.training import moe
 
     expert_parallel = grid is not None and grid.ep > 1
@@ -327,6 +330,8 @@ def save_checkpoint(engine, root: Path, step: int, meta: dict, client_state: dic
     _stop_if_any_failed(failure, root, partial, step)  # before the expert save's collectives: all ranks or none
     if expert_parallel:
         moe.save_expert_states(engine, grid, root / partial)
+    if ema is not None:
+        ema(root / partial / EMA_FOLDER)
     barrier()
     if global_rank() == 0:
         try:

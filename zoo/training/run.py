@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import yaml
@@ -173,11 +173,16 @@ def train_and_save(cfg: RunConfig, model_cfg, grid, data, *, resume=None, univer
 
     result = train(cfg, model_cfg, grid, log=say, resume=resume, universal=universal, data=data, keep_engine=True,
                    progress=True, keep_metrics=keep_metrics)
-    engine, result.engine = result.engine, None
+    engine, result.engine, ema = result.engine, None, result.ema
+    result.ema = None
     try:
         if cfg.training.save if export is None else export:
-            save_model(Path(cfg.out) / "model", engine.module, grid, cfg.model.family, model_cfg.to_dict(),
-                       tokenizer_dir=data.tokenizer_dir)
+            with ema.swapped() if ema is not None else nullcontext():  # the average is the model
+                save_model(Path(cfg.out) / "model", engine.module, grid, cfg.model.family, model_cfg.to_dict(),
+                           tokenizer_dir=data.tokenizer_dir)
+            if ema is not None and grid.rank == 0:
+                say(f"{Path(cfg.out) / 'model'} holds the weight average (training.ema_decay "
+                    f"{cfg.training.ema_decay}); the trained weights are in the checkpoints")
     except BaseException:
         if result.metrics is not None:  # the caller never gets it: close it here (a W&B run finishes)
             result.metrics.close()

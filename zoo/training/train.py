@@ -157,6 +157,26 @@ def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False, init_
     return engine, loss_fn
 
 
+def start_ema(engine, cfg: RunConfig, grid, resume, log):
+    """The run's weight average (``training.ema_decay``; None without): the resumed checkpoint's, read in this
+    layout, or the weights as they start."""
+    from zoo.convert.io import is_model_folder
+    from zoo.training.checkpoint import EMA_FOLDER
+    from zoo.training.ema import EMA
+
+    if not cfg.training.ema_decay:
+        return None
+    ema = EMA(engine.module, cfg.training.ema_decay)
+    if resume is not None:
+        saved = resume.root / resume.tag / EMA_FOLDER
+        if is_model_folder(saved):
+            ema.load(saved, grid)
+        elif grid.rank == 0:
+            log(f"{resume.root / resume.tag} holds no weight average (saved without training.ema_decay): the "
+                f"average starts from the resumed weights")
+    return ema
+
+
 MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
 
 
@@ -378,6 +398,7 @@ class RunResult:
     engine: object = None
     memory: dict | None = None  # the first step's measured bytes, lists by rank (zoo.training.memory)
     metrics: object = None  # with keep_metrics: the open MetricsWriter (the caller logs end pictures, closes it)
+    ema: object = None  # with keep_engine and training.ema_decay: the weight average (zoo.training.ema.EMA)
 
 
 def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal: bool = False,
@@ -419,6 +440,7 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
         if grid.rank == 0:
             how = " (universal checkpoint: new layout)" if universal else ""
             log(f"resumed from {resume.root / resume.tag} at step {start}{how}")
+    ema = start_ema(engine, cfg, grid, resume, log)
 
     def batches(step):
         for m in range(gas):
@@ -433,7 +455,9 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
     def save(step):
         client_state = {"iteration": step, "universal_checkpoint_info": family.universal_checkpoint_info(model_cfg)}
         path = ckpt.save_checkpoint(engine, out / ckpt.CHECKPOINTS, step, meta, client_state,
-                                    keep_last=tr.keep_last or None, cp_group=grid.cp_group, grid=grid)
+                                    keep_last=tr.keep_last or None, cp_group=grid.cp_group, grid=grid,
+                                    ema=None if ema is None else partial(ema.save, grid=grid, family=cfg.model.family,
+                                                                         config=model_cfg.to_dict()))
         if grid.rank == 0:
             log(f"saved checkpoint {path}")
 
@@ -496,6 +520,8 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
                     if grid.dp > 1:
                         dist.all_reduce(loss, group=grid.dp_group)
                         loss /= grid.dp
+            if ema is not None:
+                ema.update(step + 1)
             loss = float(loss)
             dt = time.perf_counter() - t0
             if step == start:
@@ -552,7 +578,7 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
     if not (keep_engine and keep_metrics):
         metrics.close()
     if keep_engine:
-        return RunResult(losses, val_losses, start, engine, memory_bytes, metrics if keep_metrics else None)
+        return RunResult(losses, val_losses, start, engine, memory_bytes, metrics if keep_metrics else None, ema)
     destroy_engine(engine)  # frees DeepSpeed's hooks and buffers; tests train many engines in one process
     return losses
 

@@ -169,37 +169,51 @@ class GPTFamily(Family):
 
     def after_training(self, model_dir, log, prompts=("The ", "def ", "To "), max_new_tokens: int = 48) -> None:
         """Continuations of a few prompts by the exported model, in this process alone (any training layout),
-        sampled (temperature 0.8, top-k 40, seed = the prompt's number): a small model's greedy text repeats one token, which
-        shows nothing. Reading the exported folder back also proves the export: what is printed comes from the
-        files on disk."""
-        import torch
-
-        from zoo.convert.io import load_model, read_config
-        from zoo.data.tokenizer import load_tokenizer
-        from zoo.models.generate import Generator, SamplingOptions
-        from zoo.models.gpt import GPTConfig, ParallelOptions, layer_specs
-        from zoo.models.specs import SpecSequential
-
+        sampled as :func:`sample_continuations` does: a small model's greedy text repeats one token, which shows
+        nothing. Reading the exported folder back also proves the export: what is printed comes from the files on
+        disk."""
         if not any((Path(model_dir) / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
             return  # trained without a tokenizer (synthetic tokens): nothing to show as text
-        _, config = read_config(model_dir)
-        model = SpecSequential(layer_specs(GPTConfig.from_dict(config), ParallelOptions()))
-        load_model(model_dir, model)
-        model.eval()
-        tok = load_tokenizer(model_dir)
-        continuations = []
-        for n, prompt in enumerate(prompts):
-            sampling = SamplingOptions(greedy=False, temperature=0.8, top_k=40, seed=n)
-            ids = torch.tensor([tok.encode(prompt)])
-            out = Generator(model).generate(ids, max_new_tokens=max_new_tokens, sampling=sampling,
-                                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-            continuations.append(tok.decode(out.tokens[0, ids.shape[1]:].tolist()))
-            log("sample (temperature 0.8, top-k 40): " + repr(prompt + continuations[-1]))
+        continuations = sample_continuations(model_dir, prompts, max_new_tokens)
+        for prompt, text in zip(prompts, continuations):
+            log(f"sample (temperature {SAMPLING['temperature']}, top-k {SAMPLING['top_k']}): " + repr(prompt + text))
         if trained_on_embedded_corpus(model_dir):
             from zoo.data.corpus import known_words
 
             known, total = known_words(continuations)
             log(f"samples: {known} of {total} words ({known / max(total, 1):.0%}) occur in the embedded corpus")
+
+
+SAMPLING = {"temperature": 0.8, "top_k": 40}  # what reads best from a small model (greedy text repeats)
+
+
+def sample_continuations(model, prompts, max_new_tokens: int = 48, tokenizer=None) -> list[str]:
+    """The text ``model`` (a zoo model folder, or a built single-process module with ``tokenizer``) continues each
+    prompt with: sampled at ``SAMPLING``, the random draws seeded by the prompt's position in ``prompts``."""
+    import torch
+
+    from zoo.models.generate import Generator, SamplingOptions
+
+    if not isinstance(model, torch.nn.Module):
+        from zoo.convert.io import load_model, read_config
+        from zoo.data.tokenizer import load_tokenizer
+        from zoo.models.gpt import GPTConfig, ParallelOptions, layer_specs
+        from zoo.models.specs import SpecSequential
+
+        folder = model
+        _, config = read_config(folder)
+        model = SpecSequential(layer_specs(GPTConfig.from_dict(config), ParallelOptions()))
+        load_model(folder, model)
+        tokenizer = tokenizer or load_tokenizer(folder)
+    model.eval()
+    texts = []
+    for n, prompt in enumerate(prompts):
+        ids = torch.tensor([tokenizer.encode(prompt)])
+        out = Generator(model).generate(ids, max_new_tokens=max_new_tokens,
+                                        sampling=SamplingOptions(greedy=False, seed=n, **SAMPLING),
+                                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        texts.append(tokenizer.decode(out.tokens[0, ids.shape[1]:].tolist()))
+    return texts
 
 
 def trained_on_embedded_corpus(model_dir) -> bool:

@@ -1,0 +1,106 @@
+"""The weight average (``training.ema_decay``, zoo.training.ema) against its definition, across layouts and resumes.
+
+The reference is the recurrence itself, read from the run's own files: after step n the average a_n equals
+d_n a_(n-1) + (1 - d_n) w_n, where w_n are the weights DeepSpeed checkpointed at step n and
+d_n = min(decay, (1 + n) / (10 + n)) (written out here, not imported). The exported model is the last average, and
+a run resumed in another layout (tp 2, through the universal checkpoint) exports the same average as the run that
+was not interrupted.
+"""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.training.test_checkpoint import COMMON, CONFIG
+
+DECAY = 0.8
+STEPS = 4
+EMA = [f"training.steps={STEPS}", f"training.ema_decay={DECAY}", "training.save_interval=1"]
+
+
+def ema_case(overrides, out, resume_step=None, universal=False):
+    """train_and_save in this worker (the export at the end is the average); with resume_step, that checkpoint of
+    ``out`` first."""
+    import torch.distributed as dist
+
+    from zoo.parallel.topology import initialize_model_parallel
+    from zoo.training.checkpoint import find_checkpoint
+    from zoo.training.config import load, validate
+    from zoo.training.run import train_and_save
+    from zoo.training.train import build_data
+
+    cfg = load(CONFIG, COMMON + EMA + list(overrides) + [f"out={out}"])
+    model_cfg = validate(cfg, dist.get_world_size())
+    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep)
+    resume = find_checkpoint(out, resume_step) if resume_step is not None else None
+    return train_and_save(cfg, model_cfg, grid, build_data(cfg, model_cfg, grid), resume=resume,
+                          universal=universal).losses
+
+
+def folder_tensors(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+def checkpointed_weights(tag_folder: Path) -> dict:
+    """The module weights DeepSpeed saved (this project's own run: its pickle is ours to read)."""
+    state = torch.load(tag_folder / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+    return {k: v.float() for k, v in state.items()}
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory, dist_run):
+    out = tmp_path_factory.mktemp("ema-single")
+    losses = dist_run(1, ema_case, [], str(out))[0]
+    return out, losses
+
+
+def test_average_follows_its_recurrence_and_is_exported(single_run):
+    out, _ = single_run
+    ckpts = out / "checkpoints"
+    averages = {n: folder_tensors(ckpts / f"step_{n:08d}" / "ema") for n in range(1, STEPS + 1)}
+    assert averages[1], "the checkpoint holds the average as a model folder"
+    for n in range(2, STEPS + 1):
+        d = min(DECAY, (1 + n) / (10 + n))
+        weights = checkpointed_weights(ckpts / f"step_{n:08d}")
+        for name, avg in averages[n].items():
+            expected = d * averages[n - 1][name] + (1 - d) * weights[name]
+            torch.testing.assert_close(avg, expected, rtol=1e-6, atol=1e-7, msg=f"{name} at step {n}")
+    exported = folder_tensors(out / "model")
+    last = checkpointed_weights(ckpts / f"step_{STEPS:08d}")
+    assert exported.keys() == averages[STEPS].keys()
+    for name, value in exported.items():
+        torch.testing.assert_close(value, averages[STEPS][name], rtol=0, atol=0)
+    moved = max((exported[n] - last[n]).abs().max().item() for n in exported)
+    assert moved > 1e-4, "the export is the average, not the last weights"
+
+
+def test_resumed_at_tp2_exports_the_same_average(single_run, dist_run, tmp_path):
+    """Saved at step 2 by one process (ZeRO-1), resumed at tp=2: the universal checkpoint carries the weights and
+    optimizer, the average folder is read as tp slices; steps 3-4 and the export equal the uninterrupted run's."""
+    out, losses = single_run
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out / "checkpoints" / "step_00000002", resumed / "checkpoints" / "step_00000002")
+    (resumed / "checkpoints" / "latest").write_text("step_00000002")
+    tp2 = dist_run(2, ema_case, ["parallel.tp=2"], str(resumed), resume_step=2, universal=True)
+    torch.testing.assert_close(torch.tensor(tp2[0]), torch.tensor(losses[2:]), rtol=1e-5, atol=0)
+    want, got = folder_tensors(out / "model"), folder_tensors(resumed / "model")
+    assert want.keys() == got.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_bad_ema_settings_are_refused_before_training():
+    from zoo.training.config import ConfigError, load, validate
+
+    for overrides, words in ((["training.ema_decay=1.0"], "[0, 1)"),
+                             (["training.ema_decay=0.99", "parallel.zero_stage=3"], "ZeRO-3")):
+        cfg = load(CONFIG, COMMON + overrides)
+        with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace(")", r"\)")):
+            validate(cfg, 1)
