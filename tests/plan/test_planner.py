@@ -275,3 +275,28 @@ def test_context_parallel_layouts(tmp_path):
     cfg = load(path)
     validate(cfg, 4)
     assert (cfg.parallel.cp, cfg.parallel.tp, cfg.dp) == (2, 2, 1) and yaml.safe_load(path.read_text())
+
+
+def test_weight_average_is_priced_and_written(tmp_path):
+    """``--ema-decay``: 4 bytes per parameter the rank holds (in fp32 ZeRO 0-2 that is the rank's parameter bytes,
+    which tests/plan/test_memory_model.py holds to DeepSpeed's measured ones), no ZeRO-3 layout, and the written
+    config trains with it."""
+    from zoo.plan.cli import run_config
+    from zoo.training.config import load, validate
+
+    c = GPTConfig.from_preset("tiny-llama")
+    plain, averaged = Job(c, 4, 128, 8, dtype="fp32"), Job(c, 4, 128, 8, dtype="fp32", ema=True)
+    gpu = get_gpu("h100")
+    for lay in (Layout(tp=2, dp=2, zero=1, micro_batch=2), Layout(pp=2, dp=2, zero=0, micro_batch=2),
+                Layout(dp=4, zero=2, micro_batch=2)):
+        a, b = estimate(plain, lay, gpu), estimate(averaged, lay, gpu)
+        assert b.memory["optimizer"] - a.memory["optimizer"] == a.memory["params"]
+        assert [s2 - s1 for s1, s2 in zip(a.stage_memory, b.stage_memory)] == \
+            [4 * (st.dense + st.expert) for st in stages(c, lay.tp, lay.pp)]
+    rows = plan(averaged, gpu)
+    assert rows and all(r.layout.zero < 3 for r in rows) and any(r.layout.zero == 3 for r in plan(plain, gpu))
+    path = tmp_path / "ema.yaml"
+    path.write_text(run_config(rows[0], averaged, "tiny-llama", ema_decay=0.999))
+    cfg = load(path)
+    validate(cfg, 4)
+    assert cfg.training.ema_decay == 0.999

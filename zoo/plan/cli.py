@@ -39,6 +39,9 @@ def parse_args(argv=None):
     p.add_argument("--fused-cross-entropy", action="store_true",
                    help="price the LM head and the loss fused (training.fused_cross_entropy: no [tokens, vocab] logits "
                         "kept; zoo runs it at ZeRO 0-2, so ZeRO-3 layouts stay unfused); --write-config sets it")
+    p.add_argument("--ema-decay", type=float, default=0.0, metavar="D",
+                   help="price a weight average (training.ema_decay D: 4 bytes per parameter a rank holds; ZeRO 0-2, "
+                        "so no ZeRO-3 layout); --write-config sets it")
     p.add_argument("--only", metavar="FIELDS", help="evaluate only layouts with these values, e.g. "
                    "tp=8,pp=35,micro_batch=1,recompute=full,sp=true,zero=1 (unnamed fields take their best value)")
     p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
@@ -112,8 +115,9 @@ def table(rows, top: int) -> str:
     return "\n".join(lines)
 
 
-def run_config(e, job: Job, preset: str | None, gpus_per_node: int = 8) -> str:
-    """The run config YAML for launch/train.py that trains this job in this layout."""
+def run_config(e, job: Job, preset: str | None, gpus_per_node: int = 8, ema_decay: float = 0.0) -> str:
+    """The run config YAML for launch/train.py that trains this job in this layout (``ema_decay``: the weight
+    average's decay, when ``job.ema``)."""
     import yaml
 
     lay = e.layout
@@ -131,7 +135,8 @@ def run_config(e, job: Job, preset: str | None, gpus_per_node: int = 8) -> str:
            "parallel": {"tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "cp": lay.cp, "zero_stage": lay.zero,
                         "sequence_parallel": lay.sp, "activation_checkpointing": lay.recompute == "full"},
            "training": {"micro_batch_size": lay.micro_batch, "global_batch_size": job.global_batch,
-                        "seq_length": job.seq_length, "precision": job.dtype, "fused_cross_entropy": lay.fused_ce}}
+                        "seq_length": job.seq_length, "precision": job.dtype, "fused_cross_entropy": lay.fused_ce,
+                        **({"ema_decay": ema_decay} if ema_decay else {})}}
     note = (f"# Written by launch/plan.py: the predicted fastest layout of {job.gpus} GPUs "
             f"({e.tokens_per_s:.0f} tokens/s, {e.memory_per_gpu_gb:.1f} GiB per GPU).\n"
             f"# deepspeed {nodes}--num_gpus {min(job.gpus, gpus_per_node)} launch/train.py --config THIS_FILE   (or "
@@ -148,7 +153,9 @@ def main(argv=None) -> int:
         seq = args.seq_length or min(2048, config.max_position_embeddings)
         job = Job(config=config, gpus=args.gpus, seq_length=seq, global_batch=args.global_batch,
                   dtype=args.dtype, optimizer=args.optimizer, attention=args.attention,
-                  fused_cross_entropy=args.fused_cross_entropy)
+                  fused_cross_entropy=args.fused_cross_entropy, ema=args.ema_decay > 0)
+        if not 0 <= args.ema_decay < 1:
+            raise PlanError(f"--ema-decay must be in [0, 1) (0: no average), got {args.ema_decay}")
         fixed = parse_only(args.only) if args.only else None
         if fixed:
             explain_selective(job, fixed)
@@ -175,7 +182,7 @@ def main(argv=None) -> int:
             for e in misses[:args.top]:
                 print(f"  {e.layout.describe()}: {e.why_not}")
     if args.write_config:
-        Path(args.write_config).write_text(run_config(winner, job, preset, gpu.gpus_per_node))
+        Path(args.write_config).write_text(run_config(winner, job, preset, gpu.gpus_per_node, args.ema_decay))
         if not args.json:
             print(f"\nwrote {args.write_config}: {winner.layout.describe()}")
     return 0
