@@ -117,3 +117,21 @@ def test_fused_bad_arguments():
     with pytest.raises(ValueError, match="label_smoothing must be in"):
         linear_cross_entropy_sum(torch.zeros(2, 4), torch.zeros(8, 4), torch.zeros(2, dtype=torch.long),
                                  label_smoothing=-0.1)
+
+
+def test_fused_head_and_loss_in_bf16_match_the_fp64_loss():
+    """bf16 weights: each chunk's weight-gradient product is added to an fp32 accumulator started at zero; the
+    loss and both gradients stay within bf16's precision of the fp64 computation on the same (bf16) values."""
+    hidden = (torch.randn(B, S, H, generator=gen(31)) * 0.5).to(torch.bfloat16)
+    weight = torch.randn(V, H, generator=gen(32)).to(torch.bfloat16)
+    target = torch.randint(0, V, (B, S), generator=gen(33))
+    full_h, full_w = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    ref = F.cross_entropy((full_h @ full_w.t()).transpose(1, 2), target, reduction="sum")
+    ref.backward()
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    total = linear_cross_entropy_sum(h, w, target, chunk_tokens=4)
+    total.backward()
+    assert total.dtype == torch.float32 and w.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(total.double(), ref.detach(), rtol=1e-2, atol=0)
+    for got, want in ((h.grad, full_h.grad), (w.grad, full_w.grad)):
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=3e-2 * want.abs().max().item())

@@ -146,7 +146,11 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         acc = torch.float64 if weight.dtype == torch.float64 else torch.float32  # the loss's dtype (fp32 at most)
         total = torch.zeros((), dtype=acc, device=hidden.device)
         grad_hidden = torch.empty_like(h2) if need_grad else None
-        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_grad else None
+        # in the loss's dtype the first chunk's GEMM writes it and later ones add into it (beta=1: no separate
+        # pass over [V/p, h]); 16-bit weights' products are added to zeros
+        in_place = n > 0 and weight.dtype == acc
+        grad_weight = (torch.empty if in_place else torch.zeros)(weight.shape, dtype=acc, device=weight.device) \
+            if need_grad else None
         for lo in range(0, n, chunk):
             hc, tc = h2[lo:lo + chunk], t1[lo:lo + chunk]
             z = torch.mm(hc, weight.t()).to(acc)  # [c, V/p]
@@ -173,15 +177,24 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             total += loss.masked_fill(ignored, 0.0).sum()
             if not need_grad:
                 continue
-            z /= sum_exp.unsqueeze(-1)  # softmax; now d loss / d logits of the chunk, in place
-            # minus (1 - eps) at the target where this shard owns it; no host sync (no nonzero/any) on GPUs
-            z.scatter_add_(-1, local_t.unsqueeze(-1), (~outside).to(acc).unsqueeze(-1) * -(1.0 - eps))
+            # now d loss / d logits of the chunk, in place: the softmax (0 on ignored rows), minus (1 - eps) at the
+            # target where this shard owns it (``outside`` holds the ignored rows: nothing added there); no host
+            # sync (no nonzero/any) on GPUs
             if eps > 0:
+                z /= sum_exp.unsqueeze(-1)
                 z[:, :pad_from] -= eps / num_classes
-            z *= (~ignored).to(acc).unsqueeze(-1)
+                z *= (~ignored).to(acc).unsqueeze(-1)
+            else:  # the division and the mask in one pass
+                z *= ((~ignored).to(acc) / sum_exp).unsqueeze(-1)
+            z.scatter_add_(-1, local_t.unsqueeze(-1), (~outside).to(acc).unsqueeze(-1) * -(1.0 - eps))
             g = z.to(weight.dtype)
             torch.mm(g, weight, out=grad_hidden[lo:lo + chunk])
-            grad_weight += torch.mm(g.t(), hc).to(acc)
+            if not in_place:  # bf16/fp16 weights: the product in their dtype, accumulated in fp32
+                grad_weight += torch.mm(g.t(), hc).to(acc)
+            elif lo == 0:
+                torch.mm(g.t(), hc, out=grad_weight)
+            else:
+                grad_weight.addmm_(g.t(), hc)
         if need_grad:
             ctx.save_for_backward(grad_hidden.view(hidden.shape), grad_weight)
         ctx.weight_dtype = weight.dtype
