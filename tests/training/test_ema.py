@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.training.test_checkpoint import COMMON, CONFIG
+from tests.training.test_checkpoint import COMMON, CONFIG, ROOT
 
 DECAY = 0.8
 STEPS = 4
 EMA = [f"training.steps={STEPS}", f"training.ema_decay={DECAY}", "training.save_interval=1"]
 
 
-def ema_case(overrides, out, resume_step=None, universal=False):
+def ema_case(overrides, out, resume_step=None, universal=False, config=CONFIG):
     """train_and_save in this worker (the export at the end is the average); with resume_step, that checkpoint of
     ``out`` first."""
     import torch.distributed as dist
@@ -31,7 +31,7 @@ def ema_case(overrides, out, resume_step=None, universal=False):
     from zoo.training.run import train_and_save
     from zoo.training.train import build_data
 
-    cfg = load(CONFIG, COMMON + EMA + list(overrides) + [f"out={out}"])
+    cfg = load(config, COMMON + EMA + list(overrides) + [f"out={out}"])
     model_cfg = validate(cfg, dist.get_world_size())
     grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep)
     resume = find_checkpoint(out, resume_step) if resume_step is not None else None
@@ -121,3 +121,17 @@ def test_pp2_keeps_the_single_process_average(single_run, dist_run, tmp_path):
     ranks = dist_run(2, ema_case, ["parallel.pp=2"], str(pp2))
     torch.testing.assert_close(torch.tensor(ranks[0]), torch.tensor(losses), rtol=1e-5, atol=0)
     assert_same_model(pp2 / "model", out / "model")
+
+
+MOE = ROOT / "configs/gpt/tiny-moe.yaml"
+
+
+def test_expert_parallel_average_equals_one_process(dist_run, tmp_path):
+    """A mixture-of-experts model at ep=2: each rank averages its own experts (the export gathers them over the
+    expert-parallel group), and the exported average equals the one-process run's."""
+    one, ep2 = tmp_path / "one", tmp_path / "ep2"
+    expected = dist_run(1, ema_case, ["training.save_interval=0"], str(one), config=MOE)[0]
+    ranks = dist_run(2, ema_case, ["training.save_interval=0", "parallel.ep=2"], str(ep2), config=MOE)
+    torch.testing.assert_close(torch.tensor(ranks[0]), torch.tensor(expected), rtol=1e-5, atol=0)
+    assert any(".experts." in name for name in folder_tensors(one / "model"))
+    assert_same_model(ep2 / "model", one / "model")
