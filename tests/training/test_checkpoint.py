@@ -334,3 +334,40 @@ def test_a_failing_save_leaves_the_previous_checkpoints_and_says_so(dist_run, tm
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_")) == ["step_00000002"]
     assert (out / "checkpoints" / "latest").read_text() == "step_00000002"
     assert find_checkpoint(out).step == 2
+
+
+def main_with_a_failing_export(argv):
+    """launch/train.py's main while the model export cannot write (as a full disk fails it)."""
+    import errno
+
+    from zoo.convert import io
+
+    real_add = io.ShardedWriter.add
+
+    def add(self, name, tensor):
+        if self.folder.name == ".model.tmp":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_add(self, name, tensor)
+
+    io.ShardedWriter.add = add
+    try:
+        return run_main("zoo.training.train:main", argv)
+    finally:
+        io.ShardedWriter.add = real_add
+
+
+def test_a_failing_export_says_so_and_the_same_command_exports(dist_run, tmp_path):
+    """The export after the last step cannot be written: one line (exit status 5), no model folder or staging
+    folder left, the checkpoints intact; the same command again resumes at the last step and exports."""
+    out = tmp_path / "run"
+    argv = ["--config", CONFIG, "--no-sample", "--out", out, "--set", *COMMON, "training.steps=2"]
+    (code, _, err), = dist_run(1, main_with_a_failing_export, argv)
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 5 and len(errors) == 1, err[-3000:]
+    assert "model could not be written (OSError: [Errno 28] No space left on device)" in errors[0], errors
+    assert f"the checkpoints in {out / 'checkpoints'} are intact" in errors[0], errors
+    assert not (out / "model").exists() and not (out / ".model.tmp").exists()
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000002"
+    (code, log, err), = dist_run(1, run_main, "zoo.training.train:main", argv)
+    assert code == 0, err[-3000:]
+    assert (out / "model" / "config.json").is_file() and "resumed from" in log

@@ -135,3 +135,43 @@ def test_expert_parallel_average_equals_one_process(dist_run, tmp_path):
     torch.testing.assert_close(torch.tensor(ranks[0]), torch.tensor(expected), rtol=1e-5, atol=0)
     assert any(".experts." in name for name in folder_tensors(one / "model"))
     assert_same_model(ep2 / "model", one / "model")
+
+
+def failing_average_save_case(out):
+    """pp=2 with the average; rank 1 (the second stage's writer) cannot write its part of step 3's average."""
+    import errno
+    import os
+
+    from zoo.convert import io
+    from zoo.training.checkpoint import SaveError
+
+    real_add = io.ShardedWriter.add
+
+    def add(self, name, tensor):
+        if os.environ["RANK"] == "1" and "step_00000003.partial" in str(self.folder):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_add(self, name, tensor)
+
+    io.ShardedWriter.add = add
+    try:
+        ema_case(["parallel.pp=2"], out)
+    except SaveError as e:
+        return str(e)
+    finally:
+        io.ShardedWriter.add = real_add
+    return None
+
+
+def test_a_failing_write_of_the_average_stops_every_rank_at_once(dist_run, tmp_path):
+    """Every rank stops with the same one-line SaveError (not a hang until the collective timeout); the partial
+    checkpoint is gone and the previous ones are intact. (The stopped engine is not torn down in the worker, as
+    a stopped process lets go of it by exiting: the pool is retired after.)"""
+    said = dist_run.retire(2, failing_average_save_case, str(tmp_path))
+    assert all(s is not None and "step 3" in s and "No space left on device" in s for s in said), said
+    ckpts = tmp_path / "checkpoints"
+    assert (ckpts / "latest").read_text() == "step_00000002"
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_")) == ["step_00000001",
+                                                                                    "step_00000002"]
+    from zoo.training.checkpoint import find_checkpoint
+
+    assert find_checkpoint(tmp_path).tag == "step_00000002"  # its manifest checks out

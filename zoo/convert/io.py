@@ -407,7 +407,9 @@ def save_model(folder: str | os.PathLike, module: torch.nn.Module, grid, family:
                tokenizer_dir=None, dtype: torch.dtype | None = None,
                max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path | None:
     """Write ``module`` (this rank's part of a model in any layout) as a layout-free folder. Collective: every rank
-    of the grid calls it. Returns the folder on global rank 0, else None."""
+    of the grid calls it. Returns the folder on global rank 0, else None. A write that fails on any rank (a full
+    disk, a size limit) raises ``OSError`` on every rank once the collectives are done, with the staging folder
+    removed and a folder already at ``folder`` unchanged."""
     final = Path(folder)
     staging = staging_folder(final)
     rank = global_rank()
@@ -430,20 +432,43 @@ def save_model(folder: str | os.PathLike, module: torch.nn.Module, grid, family:
     writer_rank = tp_rank == 0 and dp_rank == 0  # data-parallel rank 0 is also expert-parallel rank 0
     writer_rank = writer_rank and getattr(grid, "cp_rank", 0) == 0  # CP ranks hold the same weights
     writer = ShardedWriter(staging, prefix=f"model-stage{pp_rank:03d}", max_shard_bytes=max_shard_bytes)
+    failure = None  # a write that failed here (disk full, a size limit): the collectives go on, the others learn it
     for name, param in tensors.items():
         full = full_param(param, tp_group, ep_group)  # collective over TP (ZeRO-3: DP; experts: EP)
-        if writer_rank and owner[name] == pp_rank:
-            writer.add(name, full if dtype is None else full.to(dtype))
-    mapping = writer.close() if writer_rank else {}
-    parts = gather_objects((mapping, writer.total_bytes if writer_rank else 0))
-    if rank == 0:
-        merged = {k: v for m, _ in parts for k, v in m.items()}
-        write_index(staging, merged, sum(b for _, b in parts))
-        write_config(staging, family, config)
-        copy_tokenizer(tokenizer_dir, staging)
-        publish(staging, final)
-    barrier()
+        if writer_rank and owner[name] == pp_rank and failure is None:
+            try:
+                writer.add(name, full if dtype is None else full.to(dtype))
+            except OSError as e:
+                failure = e
+    mapping = {}
+    if writer_rank and failure is None:
+        try:
+            mapping = writer.close()
+        except OSError as e:
+            failure = e
+    parts = gather_objects((mapping, writer.total_bytes if writer_rank else 0, _said(failure)))
+    failure = next((f for _, _, f in parts if f), None)
+    if rank == 0 and failure is None:
+        try:
+            merged = {k: v for m, _, _ in parts for k, v in m.items()}
+            write_index(staging, merged, sum(b for _, b, _ in parts))
+            write_config(staging, family, config)
+            copy_tokenizer(tokenizer_dir, staging)
+            publish(staging, final)
+        except OSError as e:
+            failure = _said(e)
+    failure = gather_objects(failure if rank == 0 else None)[0] or failure  # rank 0's last word, to every rank
+    if failure:
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        barrier()
+        raise OSError(f"{final} could not be written ({failure}); nothing of it is left"
+                      + (" and the folder that was there is unchanged" if final.exists() else ""))
     return final if rank == 0 else None
+
+
+def _said(failure: BaseException | None) -> str | None:
+    return None if failure is None else f"{type(failure).__name__}: {failure}"[:300]
 
 
 def model_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:

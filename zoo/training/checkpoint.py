@@ -329,9 +329,17 @@ def save_checkpoint(engine, root: Path, step: int, meta: dict, client_state: dic
         barrier()
     _stop_if_any_failed(failure, root, partial, step)  # before the expert save's collectives: all ranks or none
     if expert_parallel:
-        moe.save_expert_states(engine, grid, root / partial)
+        try:
+            moe.save_expert_states(engine, grid, root / partial)  # its collectives come before its one write
+        except OSError as e:
+            failure = e
+        _stop_if_any_failed(failure, root, partial, step)
     if ema is not None:
-        ema(root / partial / EMA_FOLDER)
+        try:
+            ema(root / partial / EMA_FOLDER)
+        except OSError as e:  # io.save_model raises on every rank alike when a write failed on one
+            failure = e
+        _stop_if_any_failed(failure, root, partial, step)
     barrier()
     if global_rank() == 0:
         try:

@@ -265,7 +265,13 @@ def save_expert_states(engine, grid, folder) -> None:
             whole = full_tensor(_optimizer_state(engine, param, key), 0, 1, grid.ep_group)  # [E/ep] -> [E]
             tensors[name if key is None else f"{name}/{key}"] = whole.cpu().contiguous()
     if tensors and grid.ep_rank == 0 and grid.edp_rank == 0 and grid.tp_rank == 0 and grid.cp_rank == 0:
-        save_file(tensors, str(Path(folder) / EXPERT_FILE.format(grid.pp_rank)))
+        path = Path(folder) / EXPERT_FILE.format(grid.pp_rank)
+        try:
+            save_file(tensors, str(path))
+        except OSError:
+            raise
+        except Exception as e:  # safetensors' own error type for a failed write: the checkpoint's save stops on it
+            raise OSError(f"{path}: {e}") from e
 
 
 def expert_files(folder) -> dict[str, str]:

@@ -183,9 +183,13 @@ def train_and_save(cfg: RunConfig, model_cfg, grid, data, *, resume=None, univer
             if ema is not None and grid.rank == 0:
                 say(f"{Path(cfg.out) / 'model'} holds the weight average (training.ema_decay "
                     f"{cfg.training.ema_decay}); the trained weights are in the checkpoints")
-    except BaseException:
+    except BaseException as e:
         if result.metrics is not None:  # the caller never gets it: close it here (a W&B run finishes)
             result.metrics.close()
+        if isinstance(e, OSError):  # on every rank alike (io.save_model tells them): one line, exit status 5
+            destroy_engine(engine)
+            raise SaveError(f"{e}; the checkpoints in {Path(cfg.out) / 'checkpoints'} are intact: fix that and run "
+                            f"the same command again, it resumes at the last step and exports") from e
         raise
     destroy_engine(engine)
     return result
