@@ -187,33 +187,16 @@ class GPTFamily(Family):
 SAMPLING = {"temperature": 0.8, "top_k": 40}  # what reads best from a small model (greedy text repeats)
 
 
-def sample_continuations(model, prompts, max_new_tokens: int = 48, tokenizer=None) -> list[str]:
-    """The text ``model`` (a zoo model folder, or a built single-process module with ``tokenizer``) continues each
-    prompt with: sampled at ``SAMPLING``, the random draws seeded by the prompt's position in ``prompts``."""
-    import torch
+def sample_continuations(model, prompts, max_new_tokens: int = 48) -> list[str]:
+    """The text ``model`` (a zoo model folder, or a :class:`zoo.generate.gpt.PretrainedGPT` with its tokenizer)
+    continues each prompt with: sampled at ``SAMPLING``, the random draws seeded by the prompt's position."""
+    from zoo.generate.gpt import PretrainedGPT
 
-    from zoo.models.generate import Generator, SamplingOptions
-
-    if not isinstance(model, torch.nn.Module):
-        from zoo.convert.io import load_model, read_config
-        from zoo.data.tokenizer import load_tokenizer
-        from zoo.models.gpt import GPTConfig, ParallelOptions, layer_specs
-        from zoo.models.specs import SpecSequential
-
-        folder = model
-        _, config = read_config(folder)
-        model = SpecSequential(layer_specs(GPTConfig.from_dict(config), ParallelOptions()))
-        load_model(folder, model)
-        tokenizer = tokenizer or load_tokenizer(folder)
+    if not isinstance(model, PretrainedGPT):
+        model = PretrainedGPT.from_pretrained(model)
     model.eval()
-    texts = []
-    for n, prompt in enumerate(prompts):
-        ids = torch.tensor([tokenizer.encode(prompt)])
-        out = Generator(model).generate(ids, max_new_tokens=max_new_tokens,
-                                        sampling=SamplingOptions(greedy=False, seed=n, **SAMPLING),
-                                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        texts.append(tokenizer.decode(out.tokens[0, ids.shape[1]:].tolist()))
-    return texts
+    return [model.generate(prompt, max_new_tokens, seed=n, **SAMPLING)[len(prompt):]
+            for n, prompt in enumerate(prompts)]
 
 
 def trained_on_embedded_corpus(model_dir) -> bool:
