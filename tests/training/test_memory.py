@@ -141,6 +141,25 @@ def test_zero0_holds_4_bytes_per_parameter_and_adam_8(single):
     assert memory["activations"] == [single["walked"]] and single["walked"] > FP32 * 2 * 32 * 512  # > softmax
 
 
+def test_the_weight_average_counts_4_bytes_per_parameter_with_the_optimizer_as_the_planner_prices_it(
+        dist_run, tmp_path, single):
+    """training.ema_decay: the average's fp32 copy of every parameter counts under "optimizer" (nothing else moves),
+    the 4 bytes per parameter the planner adds to the optimizer state."""
+    from zoo.models.gpt import GPTConfig
+    from zoo.plan import Job, Layout, estimate
+    from zoo.plan.hardware import CPU
+
+    ema = dist_run(1, train_measured, ["parallel.zero_stage=0", "training.steps=2", "training.ema_decay=0.9"],
+                   str(tmp_path))[0]
+    n = single["params"]
+    want = dict(single["memory"], optimizer=[single["memory"]["optimizer"][0] + FP32 * n])
+    assert ema["memory"] == want
+    job = dict(config=GPTConfig.from_preset("tiny"), gpus=1, seq_length=32, global_batch=8, dtype="fp32")
+    lay = Layout(tp=1, pp=1, dp=1, zero=0, micro_batch=2)
+    with_ema, plain = (estimate(Job(**job, ema=e), lay, CPU).stage_memory[0] for e in (True, False))
+    assert with_ema - plain == FP32 * n
+
+
 def test_metrics_jsonl_holds_the_first_step_only_and_the_end_says_it(single):
     import json
 

@@ -24,7 +24,9 @@ count nothing; all others count wherever they live (CPU offload included).
                  ``single_partition_of_fp32_groups`` (also when training in fp32), ZeRO-3's
                  ``fp32_partitioned_groups_flat``, BF16_Optimizer's ``fp32_groups_flat_partition``,
                  FP16_UnfusedOptimizer's ``fp32_groups`` (bf16 without ZeRO at pp = 1). Without ZeRO in fp32 the
-                 torch optimizer updates the model's parameters, so only its state counts.
+                 torch optimizer updates the model's parameters, so only its state counts. With
+                 ``training.ema_decay`` also the weight average's fp32 copies (``zoo.training.ema``; the planner
+                 prices them with the optimizer state: 4 bytes per parameter the rank holds).
 ``grads``        the peak over the first step of the gradients the engine holds: the parameters' ``.grad`` (and
                  ZeRO-1/2's ``grad_accum``), the fp32 masters' ``.grad`` during the step (a flat fp32 copy of the
                  partition's gradients, made group by group), and the buffers of :data:`GRADIENT_BUFFERS`, among them
@@ -281,8 +283,9 @@ class FirstStep:
     """Measures one training step of ``engine``: ``with first.measuring(): <the step>``, then ``first.gather()``
     on every rank (the module's docstring says what counts and when)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, ema=None):
         self.engine, self.module, self.optimizer = engine, engine.module, engine.optimizer
+        self.ema_tensors = [] if ema is None else list(ema.shadow)
         self.inner = inner_optimizer(engine.optimizer)
         self.activations = LiveBytes()
         self.grads = self.grad_buckets = 0
@@ -307,7 +310,7 @@ class FirstStep:
         return named + [p for group in self.inner.param_groups for p in group["params"]]
 
     def optimizer_storages(self) -> dict:
-        found = storages([*self.masters(), *_tensors(list(self.inner.state.values()))])
+        found = storages([*self.masters(), *_tensors(list(self.inner.state.values())), *self.ema_tensors])
         return {k: v for k, v in found.items() if k not in self._param_keys}
 
     def grad_storages(self) -> tuple[dict, dict]:

@@ -488,7 +488,7 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
     flops_per_step = None if flops_per_sample is None else cfg.global_batch_size * flops_per_sample
     peak = peak_tflops(device_name(), tr.precision)
     losses, t_start = [], time.perf_counter()
-    first_step, memory_bytes = mem.FirstStep(engine), None
+    first_step, memory_bytes = mem.FirstStep(engine, ema), None
     bar = None
     if progress and grid.rank == 0 and start < tr.steps:
         from zoo.progress import progress_bar
