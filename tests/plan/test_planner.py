@@ -279,8 +279,8 @@ def test_context_parallel_layouts(tmp_path):
 
 def test_weight_average_is_priced_and_written(tmp_path):
     """``--ema-decay``: 4 bytes per parameter the rank holds (in fp32 ZeRO 0-2 that is the rank's parameter bytes,
-    which tests/plan/test_memory_model.py holds to DeepSpeed's measured ones), no ZeRO-3 layout, and the written
-    config trains with it."""
+    which tests/plan/test_memory_model.py holds to DeepSpeed's measured ones; at ZeRO-3 of its partitions, 1/dp of
+    the stage's), and the written config trains with it."""
     from zoo.plan.cli import run_config
     from zoo.training.config import load, validate
 
@@ -293,8 +293,11 @@ def test_weight_average_is_priced_and_written(tmp_path):
         assert b.memory["optimizer"] - a.memory["optimizer"] == a.memory["params"]
         assert [s2 - s1 for s1, s2 in zip(a.stage_memory, b.stage_memory)] == \
             [4 * (st.dense + st.expert) for st in stages(c, lay.tp, lay.pp)]
+    lay = Layout(dp=4, zero=3, micro_batch=2)
+    a, b = estimate(plain, lay, gpu), estimate(averaged, lay, gpu)
+    assert b.stage_memory[0] - a.stage_memory[0] == 4 * stages(c, 1, 1)[0].dense / 4
     rows = plan(averaged, gpu)
-    assert rows and all(r.layout.zero < 3 for r in rows) and any(r.layout.zero == 3 for r in plan(plain, gpu))
+    assert rows and any(r.layout.zero == 3 for r in rows)
     path = tmp_path / "ema.yaml"
     path.write_text(run_config(rows[0], averaged, "tiny-llama", ema_decay=0.999))
     cfg = load(path)

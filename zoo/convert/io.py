@@ -373,8 +373,9 @@ def iter_tensors(folder: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]
 
 
 def _gathered(param: torch.Tensor):
-    """A ZeRO-3 parameter is partitioned over data parallelism; gather it for the duration of the block."""
-    if hasattr(param, "ds_id"):
+    """A ZeRO-3 parameter is partitioned over data parallelism; gather it for the duration of the block (unless
+    its ``.data`` holds a whole value put there for the block: ``zoo_whole``, the weight average's)."""
+    if hasattr(param, "ds_id") and not getattr(param, "zoo_whole", False):
         import deepspeed
 
         return deepspeed.zero.GatheredParameters([param], modifier_rank=None)

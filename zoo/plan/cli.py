@@ -40,8 +40,8 @@ def parse_args(argv=None):
                    help="price the LM head and the loss fused (training.fused_cross_entropy: no [tokens, vocab] logits "
                         "kept; zoo runs it at ZeRO 0-2, so ZeRO-3 layouts stay unfused); --write-config sets it")
     p.add_argument("--ema-decay", type=float, default=0.0, metavar="D",
-                   help="price a weight average (training.ema_decay D: 4 bytes per parameter a rank holds; ZeRO 0-2, "
-                        "so no ZeRO-3 layout); --write-config sets it")
+                   help="price a weight average (training.ema_decay D: 4 bytes per parameter a rank holds, at ZeRO-3 "
+                        "per parameter of its partitions); --write-config sets it")
     p.add_argument("--only", metavar="FIELDS", help="evaluate only layouts with these values, e.g. "
                    "tp=8,pp=35,micro_batch=1,recompute=full,sp=true,zero=1 (unnamed fields take their best value)")
     p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")

@@ -28,7 +28,7 @@ class Job:
     optimizer: str = "adamw"
     attention: str = "flash"  # "flash": zoo's SDPA, no s x s matrix; "unfused": scores stored (Megatron 2021)
     fused_cross_entropy: bool = False  # training.fused_cross_entropy, in every layout zoo runs it in (ZeRO 0-2)
-    ema: bool = False  # training.ema_decay > 0: an fp32 average of the rank's weights (zoo.training.ema), ZeRO 0-2
+    ema: bool = False  # training.ema_decay > 0: an fp32 average of what the rank holds of the weights (zoo.training.ema)
 
 
 @dataclass(frozen=True)
@@ -479,9 +479,9 @@ def estimate(job: Job, lay: Layout, gpu: GPU, cache: dict | None = None) -> Esti
         if stage.last:  # logits and their fp32 gradient, alive around the loss (fused: one chunk of them)
             rows = min(tokens, fused_chunk_tokens(c, lay.tp, gpu)) if lay.fused_ce else tokens
             buffers += rows * c.padded_vocab_size(lay.tp) // lay.tp * (a + 4)
-        # the weight average: fp32, every tensor the rank holds, not partitioned (zoo.training.ema); with the
-        # optimizer state, which it sits beside and is streamed with every step
-        ema = 4 * (stage.dense + stage.expert) if job.ema else 0
+        # the weight average: fp32, what the rank holds of every tensor (zoo.training.ema; ZeRO-3: its partition of
+        # each, persistent ones too); with the optimizer state, which it sits beside and is streamed with every step
+        ema = 4 * (stage.dense / (parts if lay.zero == 3 else 1) + stage.expert) if job.ema else 0
         mem = {"params": dense[0] + expert[0], "grads": dense[1] + expert[1],
                "optimizer": dense[2] + expert[2] + ema,
                "activations": act, "buffers": buffers, "reserved": gpu.reserved_gb * GiB}

@@ -84,7 +84,7 @@ class TrainingSection:
     # 2 CPU cores 15% off the benchmark's step), as Megatron's --cross-entropy-loss-fusion. ZeRO 0-2.
     fused_cross_entropy: bool = False
     # An exponential moving average of the weights (zoo.training.ema), e.g. 0.999; 0: none. Checkpoints hold it
-    # (resumed in any layout) and the exported model/ is the average. ZeRO 0-2.
+    # (resumed in any layout) and the exported model/ is the average.
     ema_decay: float = 0.0
     log_interval: int = 1
     eval_interval: int = 0  # evaluate on the validation split every N steps (and before step 1, and at the end); 0: never
@@ -336,10 +336,6 @@ def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = N
     if isinstance(tr.ema_decay, bool) or not isinstance(tr.ema_decay, (int, float)) or not 0 <= tr.ema_decay < 1:
         raise ConfigError(f"training.ema_decay must be a number in [0, 1) (0: no average; e.g. 0.999), got "
                           f"{tr.ema_decay!r}")
-    if tr.ema_decay and par.zero_stage == 3:
-        raise ConfigError("training.ema_decay does not work with ZeRO-3 (its parameters are partitioned over data "
-                          "parallelism, so a rank holds no whole tensor to average); use parallel.zero_stage 0-2 or "
-                          "training.ema_decay: 0")
     if tr.compile:
         import torch._dynamo
 
