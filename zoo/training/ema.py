@@ -65,10 +65,9 @@ class EMA:
                     if part:
                         s.copy_(own_partition(p, p.data))
         finally:
-            for p, d, part in zip(self.params, saved, partitioned):
+            for p, d in zip(self.params, saved):
                 p.data = d
-                if part:
-                    del p.zoo_whole
+                p.__dict__.pop("zoo_whole", None)
 
     def save(self, folder: Path, grid, family: str, config: dict) -> None:
         """Collective: the average as a model folder (layout-free, fp32)."""
