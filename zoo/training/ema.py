@@ -50,15 +50,18 @@ class EMA:
     def swapped(self, write_back: bool = False):
         """Within the block the module's parameters hold the average (their ``.data`` swapped; nothing copied at
         ZeRO 0-2, the whole tensors gathered at ZeRO-3): anything that reads or writes the module (``save_model``,
-        ``load_model``, a forward at ZeRO 0-2) sees it. ``write_back``: what the block wrote into a ZeRO-3
-        parameter becomes this rank's partition of the average (at ZeRO 0-2 the block writes into it directly)."""
+        ``load_model``, a forward at ZeRO 0-2) sees it. ``write_back``: the block writes every parameter and reads
+        none (a load), so ZeRO-3 parameters get uninitialised whole tensors instead of a gather, and what the block
+        wrote into them becomes this rank's partition of the average (at ZeRO 0-2 it writes into it directly)."""
         saved = [p.data for p in self.params]
         partitioned = [hasattr(p, "ds_tensor") for p in self.params]
         try:
             for p, s, part in zip(self.params, self.shadow, partitioned):
-                p.data = gather_partitions(p, s) if part else s
                 if part:
+                    p.data = s.new_empty(p.ds_shape) if write_back else gather_partitions(p, s)
                     p.zoo_whole = True  # zoo.convert.io reads p.data as it is, without DeepSpeed's gather
+                else:
+                    p.data = s
             yield
             if write_back:
                 for p, s, part in zip(self.params, self.shadow, partitioned):
