@@ -425,6 +425,10 @@ def square_gemm_flops(device, accel, dtype, size: int | None = None) -> float:
 
 def _cpu_step_peak_bytes(trainee: Trainee, ids, labels) -> int | None:
     """The most one step allocates on top of what it starts with, from the profiler's CPU allocation events."""
+    # Kineto writes "USDT: profiler_start/stop" lines to stderr around every profile on some CPUs (seen on a Zen 5);
+    # level 6 silences its log while this runs: a failure here already means "no figure", not an error.
+    previous = os.environ.get("KINETO_LOG_LEVEL")
+    os.environ["KINETO_LOG_LEVEL"] = "6"
     try:
         from torch._C._profiler import _EventType
         from torch.profiler import ProfilerActivity, profile
@@ -440,6 +444,11 @@ def _cpu_step_peak_bytes(trainee: Trainee, ids, labels) -> int | None:
             stack.extend(node.children)
     except Exception:  # private profiler API: no memory figure rather than no benchmark
         return None
+    finally:
+        if previous is None:
+            os.environ.pop("KINETO_LOG_LEVEL", None)
+        else:
+            os.environ["KINETO_LOG_LEVEL"] = previous
     current = peak = 0
     for _, size in sorted(events, key=lambda e: e[0]):
         current += size
