@@ -158,6 +158,42 @@ def test_pipeline_folder_imports(pipeline_dir, zoo_dir, tmp_path, capsys):
     assert sorted(ours) == sorted(reference) and all(torch.equal(ours[k], reference[k]) for k in reference)
 
 
+def test_the_scheduler_travels_and_flow_samples_equal_diffusers(hf_dir, pipeline_dir, tmp_path, capsys):
+    """A flow-matching pipeline (FlowMatchEulerDiscreteScheduler): imported, the zoo folder samples with Euler steps,
+    the same images as diffusers' UNet2DModel + scheduler loop; exported, the scheduler config is beside the
+    weights where diffusers' ``from_pretrained`` reads it. A DDPM pipeline's scheduler comes along too; a scheduler
+    zoo does not sample (DDIM) stays behind (the model samples with DDPM's chain)."""
+    from zoo.generate.unet import PretrainedUNet
+
+    diffusers = _diffusers()
+    flow = tmp_path / "flow"
+    shutil.copytree(hf_dir, flow / "unet")
+    diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000).save_pretrained(flow / "scheduler")
+    assert run_cli(capsys, "hf-to-zoo", "--src", flow, "--out", tmp_path / "zoo")[0] == 0
+    model = PretrainedUNet.from_pretrained(tmp_path / "zoo")
+    assert model.objective == "flow"
+    ours = model.sample(2, steps=3, seed=5)
+    unet = diffusers.UNet2DModel.from_pretrained(flow / "unet").eval()
+    sched = diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(flow / "scheduler")
+    sched.set_timesteps(3)
+    x = torch.randn((2, 3, 16, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        for t in sched.timesteps:
+            x = sched.step(unet(x, t.expand(2)).sample, t, x).prev_sample
+    torch.testing.assert_close(ours, x.clamp(-1, 1), rtol=0, atol=TOL)
+    assert run_cli(capsys, "zoo-to-hf", "--src", tmp_path / "zoo", "--out", tmp_path / "back")[0] == 0
+    back = diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(tmp_path / "back")
+    assert back.config.num_train_timesteps == 1000 and back.config.shift == 1.0
+    assert run_cli(capsys, "hf-to-zoo", "--src", pipeline_dir, "--out", tmp_path / "ddpm")[0] == 0
+    assert PretrainedUNet.from_pretrained(tmp_path / "ddpm").scheduler_config == {"_class_name": "DDPMScheduler"}
+    ddim = tmp_path / "ddim"
+    shutil.copytree(pipeline_dir, ddim)
+    (ddim / "scheduler" / "scheduler_config.json").write_text(json.dumps({"_class_name": "DDIMScheduler"}))
+    assert run_cli(capsys, "hf-to-zoo", "--src", ddim, "--out", tmp_path / "ddim-zoo")[0] == 0
+    model = PretrainedUNet.from_pretrained(tmp_path / "ddim-zoo")
+    assert model.scheduler_config is None and model.objective == "ddpm"
+
+
 def test_refusals_are_one_line(hf_dir, zoo_dir, tmp_path, capsys):
     out = tmp_path / "out"
     meta = json.loads((hf_dir / "config.json").read_text())

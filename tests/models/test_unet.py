@@ -19,11 +19,13 @@ from zoo.models.unet import (
     DDPMSchedule,
     DiffusionLoss,
     DiffusionUNetConfig,
+    FlowMatchSchedule,
     SegmentationLoss,
     SegUNetConfig,
     flatten_activations,
     ddpm_sample,
     dice_score,
+    flow_sample,
     iou_score,
     layer_flops,
     layer_specs,
@@ -31,6 +33,8 @@ from zoo.models.unet import (
     num_parameters,
     partition_balanced,
     pipeline_parts,
+    schedule_for,
+    schedule_from_config,
     unflatten_activations,
     units,
 )
@@ -221,6 +225,60 @@ def test_ddpm_schedule_and_sampler_match_diffusers():
         torch.testing.assert_close(got, x, rtol=1e-5, atol=1e-5)
     again = ddpm_sample(eps, (2, 3, 4, 4), seed=7, num_inference_steps=20)
     torch.testing.assert_close(again, got, rtol=0, atol=0)
+
+
+def test_flow_matching_schedule_and_sampler_against_diffusers_and_the_math():
+    diffusers = pytest.importorskip("diffusers")
+    ours = FlowMatchSchedule()
+    x0 = torch.rand(3, 2, 4, 4) * 2 - 1
+    (xs, t), target = ours.training_batch(x0, torch.Generator().manual_seed(0))
+    assert t.dtype == torch.float32 and ((t > 0) & (t < 1000)).all() and xs.shape == target.shape == x0.shape
+    sigma = (t / 1000).view(-1, 1, 1, 1)
+    noise = target + x0  # the target is the velocity noise - x0 of the straight path
+    torch.testing.assert_close(xs, (1 - sigma) * x0 + sigma * noise)
+    ref = diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000)
+    ref.set_timesteps(10)
+    levels = ref.timesteps[[0, 3, 7]]  # diffusers' path at the levels it knows: the same as ours
+    torch.testing.assert_close(ours.add_noise(x0, noise, levels / 1000), ref.scale_noise(x0, levels, noise))
+    (whole, tw), vw = ours.training_batch(x0, seeds=[10, 11, 12])
+    (half, th), vh = ours.training_batch(x0[1:], seeds=[11, 12])
+    assert torch.equal(whole[1:], half) and torch.equal(tw[1:], th) and torch.equal(vw[1:], vh)
+    levels = torch.sigmoid(torch.randn(20000, generator=torch.Generator().manual_seed(1)))
+    drawn = torch.cat([ours.training_batch(x0[:1], seeds=[s])[0][1] for s in range(400)]) / 1000
+    assert abs(drawn.mean() - 0.5) < 0.05 and abs(drawn.std() - levels.std()) < 0.03, "logit-normal levels"
+
+    def velocity(x, t):  # a stand-in for the U-Net: any function of (x, t)
+        return 0.3 * x + 1e-4 * t.view(-1, 1, 1, 1)
+
+    for steps in (50, 7, 1):
+        got = flow_sample(velocity, (2, 3, 4, 4), seed=7, num_inference_steps=steps)
+        sched = diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000)
+        sched.set_timesteps(steps)
+        torch.testing.assert_close(ours.sigmas(steps), sched.sigmas, rtol=1e-6, atol=1e-7)
+        x = torch.randn((2, 3, 4, 4), generator=torch.Generator().manual_seed(7))
+        for step_t in sched.timesteps:
+            x = sched.step(velocity(x, step_t.expand(2)), step_t, x).prev_sample
+        torch.testing.assert_close(got, x.clamp(-1, 1), rtol=1e-5, atol=1e-5)
+    # The exact velocity of data that is one image c carries any noise to c, in any number of Euler steps (the
+    # paths are straight): v(x, s) = (x - c) / s.
+    c = torch.rand(1, 3, 4, 4) * 1.6 - 0.8
+    exact = lambda x, t: (x - c) / (t / 1000).view(-1, 1, 1, 1)  # noqa: E731
+    for steps in (1, 3, 50):
+        torch.testing.assert_close(flow_sample(exact, (2, 3, 4, 4), seed=3, num_inference_steps=steps),
+                                   c.expand(2, -1, -1, -1), rtol=0, atol=1e-5)
+
+
+def test_scheduler_configs_name_the_sampler_or_are_refused():
+    assert isinstance(schedule_from_config(None), DDPMSchedule)
+    for schedule in (DDPMSchedule(), FlowMatchSchedule()):
+        again = schedule_from_config(schedule.to_diffusers())
+        assert type(again) is type(schedule) and again.to_diffusers() == schedule.to_diffusers()
+    assert isinstance(schedule_for("flow"), FlowMatchSchedule) and isinstance(schedule_for(None), DDPMSchedule)
+    for bad, words in (({"_class_name": "DDIMScheduler"}, "zoo samples DDPMScheduler and"),
+                       ({"_class_name": "DDPMScheduler", "prediction_type": "v_prediction"}, "prediction_type"),
+                       ({"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0}, "shift")):
+        with pytest.raises(ValueError, match=words):
+            schedule_from_config(bad)
 
 
 # ---- tensor parallel: forward and backward against one process ------------------------------------------------

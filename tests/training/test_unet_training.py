@@ -13,7 +13,9 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = {"seg": ROOT / "configs/unet/segmentation.yaml", "diffusion": ROOT / "configs/unet/diffusion.yaml"}
+CONFIGS = {"seg": ROOT / "configs/unet/segmentation.yaml", "diffusion": ROOT / "configs/unet/diffusion.yaml",
+           "flow": ROOT / "configs/unet/diffusion.yaml"}
+VARIANT = {"flow": ["training.objective=flow"]}  # flow matching: the diffusion U-Net, another objective
 STEPS = 3
 COMMON = [f"training.steps={STEPS}", "training.micro_batch_size=2", "training.global_batch_size=4",
           "training.lr=3e-3", "training.warmup_steps=1", "training.save=false", "training.eval_interval=0",
@@ -26,7 +28,7 @@ def setup_run(variant, overrides, out):
     from zoo.parallel.topology import initialize_model_parallel
     from zoo.training.config import load, validate
 
-    cfg = load(CONFIGS[variant], COMMON + list(overrides) + [f"out={out}"])
+    cfg = load(CONFIGS[variant], COMMON + VARIANT.get(variant, []) + list(overrides) + [f"out={out}"])
     model_cfg = validate(cfg, dist.get_world_size())
     return cfg, model_cfg, initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp)
 
@@ -59,6 +61,18 @@ def reference(dist_run, variant):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("variant", ["seg", "diffusion"])
 def test_layout_matches_single_process(dist_run, tmp_path, variant, layout):
+    check_layout(dist_run, tmp_path, variant, layout)
+
+
+@pytest.mark.parametrize("layout", ["dp2", "pp2"])
+def test_flow_matching_layout_matches_single_process(dist_run, tmp_path, layout):
+    """Flow matching's pairs (a float level per sample, seeded per sample) cut into micro-batches and ranks, and
+    the float timesteps through the pipeline's first stage, train as in one process."""
+    check_layout(dist_run, tmp_path, "flow", layout)
+    assert reference(dist_run, "flow") != reference(dist_run, "diffusion"), "the objective changes the training"
+
+
+def check_layout(dist_run, tmp_path, variant, layout):
     expected = reference(dist_run, variant)
     assert expected[-1] < expected[0], f"the reference run must learn: {expected}"
     world, overrides = LAYOUTS[layout]
@@ -266,6 +280,33 @@ def test_diffusion_run_learns_and_writes_its_sample_grid(diffusion_run, tmp_path
     assert main(["--ckpt", str(diffusion_run / "model"), "--out", str(tmp_path / "h.png"), "--num", "3", "--steps",
                  "4", "--seed", "7"]) == 0
     assert (tmp_path / "g.png").read_bytes() == (tmp_path / "h.png").read_bytes(), "same seed, same images"
+    scheduler = json.loads((diffusion_run / "model" / "scheduler_config.json").read_text())
+    assert scheduler["_class_name"] == "DDPMScheduler" and scheduler["prediction_type"] == "epsilon"
+
+
+def test_flow_matching_run_exports_its_scheduler_and_samples_with_it(tmp_path, capsys):
+    """launch/train.py with training.objective=flow and one large shape per image: model/ records the objective
+    as diffusers' FlowMatchEulerDiscreteScheduler config, and the end-of-run grid and the sampling CLI take Euler
+    steps (2 here, the sampler's own tests are elsewhere) from it."""
+    import zoo.training.families.unet as unet
+    from zoo.generate.unet import main as sample_main
+    from zoo.training.train import main
+
+    out, steps = tmp_path / "run", unet.FLOW_SAMPLE_STEPS
+    unet.FLOW_SAMPLE_STEPS = 2
+    try:
+        assert main(["--config", str(CONFIGS["diffusion"]), "--out", str(out), "--steps", "3", "--set",
+                     "training.objective=flow", "data.shapes_per_image=1", "data.shape_radius=[0.25, 0.45]",
+                     "training.micro_batch_size=4", "training.global_batch_size=4", "training.eval_interval=0",
+                     "training.loggers=[]"]) == 0
+    finally:
+        unet.FLOW_SAMPLE_STEPS = steps
+    assert "samples (16 images, 2 Euler (flow matching) steps, seed 1234)" in capsys.readouterr().out
+    scheduler = json.loads((out / "model" / "scheduler_config.json").read_text())
+    assert scheduler["_class_name"] == "FlowMatchEulerDiscreteScheduler" and scheduler["shift"] == 1.0
+    assert (out / "samples.png").is_file() and len([r for r in records(out) if "loss" in r]) == 3
+    assert sample_main(["--ckpt", str(out), "--out", str(tmp_path / "g.png"), "--num", "2", "--steps", "2"]) == 0
+    assert capsys.readouterr().out.strip().endswith("(2 images, 2 Euler (flow matching) steps, seed 0)")
 
 
 def test_sampling_cli_refuses_other_folders(seg_run, tmp_path, capsys):
@@ -313,6 +354,14 @@ def test_bad_inputs_give_one_error_line(capsys, tmp_path, monkeypatch):
     assert "image_size 33 cannot be halved" in msg
     msg = error_line(capsys, diffusion + ["--set", "model.out_channels=1"])
     assert "must equal model.in_channels" in msg
+    msg = error_line(capsys, diffusion + ["--set", "training.objective=v"])
+    assert "training.objective must be ddpm (noise prediction) or flow (flow matching), got 'v'" in msg
+    msg = error_line(capsys, seg + ["--set", "training.objective=flow"])
+    assert "training.objective is for the unet-diffusion family, not 'unet-segmentation'" in msg
+    msg = error_line(capsys, diffusion + ["--set", "data.shape_radius=[0.3, 0.6]"])
+    assert "data.shape_radius must be [min, max] fractions" in msg and "[0.3, 0.6]" in msg
+    msg = error_line(capsys, seg + ["--set", "data.shapes_per_image=0"])
+    assert "data.shapes_per_image must be a positive integer, got 0" in msg
 
     images, masks = write_folders(tmp_path / "data", 3, size=16)
     folders = ["--set", "data.source=folders", f"data.paths=[{images}, {masks}]"]

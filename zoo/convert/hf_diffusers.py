@@ -11,7 +11,11 @@ Reading accepts a model folder or a pipeline folder with the model in ``unet/``,
 ``diffusion_pytorch_model.safetensors`` (or sharded with its index), and the attention names of old checkpoints
 (query/key/value/proj_attn, as google/ddpm-* ship). Import streams one tensor at a time into
 ``zoo.convert.io.write_model_folder``; export writes one ``diffusion_pytorch_model.safetensors`` (UNet2DModels are
-small) plus ``config.json``, loadable with ``UNet2DModel.from_pretrained``. Refused, one line each: other model
+small) plus ``config.json``, loadable with ``UNet2DModel.from_pretrained``. The scheduler config that says how the
+model samples (``scheduler_config.json``: ``DDPMScheduler`` or ``FlowMatchEulerDiscreteScheduler``) travels both
+ways: export copies the zoo folder's beside the weights (``<Scheduler>.from_pretrained(folder)`` reads it); import
+takes a pipeline's ``scheduler/`` one or one beside the model, when zoo's sampler implements it (another scheduler,
+e.g. DDIM's, is left behind: zoo samples the model with DDPM's chain). Refused, one line each: other model
 classes, the UNet2DModel options zoo does not implement (``DiffusionUNetConfig.validate``), pickle-only folders,
 missing, misshapen or unused tensors.
 """
@@ -33,7 +37,7 @@ from safetensors.torch import save_file
 
 from zoo.convert import io
 from zoo.convert.hf_gpt import ConvertError
-from zoo.models.unet import DIFFUSION_FAMILY, DiffusionUNetConfig, units
+from zoo.models.unet import DIFFUSION_FAMILY, SCHEDULER_CONFIG, DiffusionUNetConfig, schedule_from_config, units
 
 CLASS_NAME = "UNet2DModel"
 CONFIG_NAME = "config.json"
@@ -287,8 +291,26 @@ def import_unet2d(src_folder: str | os.PathLike, out_folder: str | os.PathLike, 
                 t = row.to_zoo(*(handles[files[k]].get_tensor(k) for k in row.hf))
                 yield row.zoo, t if dtype is None else t.to(dtype)
 
+    extra = {}
+    scheduler = scheduler_config_of(Path(src_folder).expanduser(), folder)
+    if scheduler is not None:
+        extra[SCHEDULER_CONFIG] = json.dumps(scheduler, indent=2)
     return io.write_model_folder(out_folder, DIFFUSION_FAMILY, config.to_dict(), tensors(),
-                                 max_shard_bytes=max_shard_bytes)
+                                 max_shard_bytes=max_shard_bytes, extra_files=extra)
+
+
+def scheduler_config_of(src: Path, model_dir: Path) -> dict | None:
+    """The scheduler config of a diffusers pipeline (``scheduler/``) or model folder that zoo's sampler implements,
+    else None."""
+    for path in (src / "scheduler" / SCHEDULER_CONFIG, model_dir / SCHEDULER_CONFIG):
+        if path.is_file():
+            try:
+                config = json.loads(path.read_text())
+                schedule_from_config(config)
+            except ValueError:
+                return None
+            return config
+    return None
 
 
 def export_unet2d(zoo_folder: str | os.PathLike, out_folder: str | os.PathLike, *,
@@ -329,6 +351,8 @@ def export_unet2d(zoo_folder: str | os.PathLike, out_folder: str | os.PathLike, 
     staging.mkdir(parents=True)
     save_file(out, str(staging / WEIGHTS_NAME), metadata={"format": "pt"})
     (staging / CONFIG_NAME).write_text(json.dumps(zoo_config_to_diffusers(config), indent=2))
+    if (src / SCHEDULER_CONFIG).is_file():
+        shutil.copyfile(src / SCHEDULER_CONFIG, staging / SCHEDULER_CONFIG)
     io.publish(staging, final)
     return final
 

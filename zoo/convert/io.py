@@ -315,13 +315,17 @@ def write_model_folder(folder: str | os.PathLike, family: str, config: dict,
     write_index(staging, writer.close(), writer.total_bytes)
     write_config(staging, family, config)
     copy_tokenizer(tokenizer_dir, staging)
+    _write_extra_files(staging, extra_files)
+    publish(staging, final)
+    return final
+
+
+def _write_extra_files(staging: Path, extra_files: dict[str, str | bytes]) -> None:
     for name, content in extra_files.items():
         if isinstance(content, str):
             (staging / name).write_text(content, encoding="utf-8")
         else:
             (staging / name).write_bytes(bytes(content))
-    publish(staging, final)
-    return final
 
 
 READ_CHUNK_BYTES = 64 * 1024**2
@@ -406,11 +410,16 @@ def full_param(param: torch.Tensor, tp_group, ep_group=None) -> torch.Tensor:
 
 def save_model(folder: str | os.PathLike, module: torch.nn.Module, grid, family: str, config: dict, *,
                tokenizer_dir=None, dtype: torch.dtype | None = None,
-               max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path | None:
+               max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+               extra_files: dict[str, str | bytes] | None = None) -> Path | None:
     """Write ``module`` (this rank's part of a model in any layout) as a layout-free folder. Collective: every rank
     of the grid calls it. Returns the folder on global rank 0, else None. A write that fails on any rank (a full
     disk, a size limit) raises ``OSError`` on every rank once the collectives are done, with the staging folder
-    removed and a folder already at ``folder`` unchanged."""
+    removed and a folder already at ``folder`` unchanged. ``extra_files`` as :func:`write_model_folder`'s
+    (written by global rank 0)."""
+    extra_files = dict(extra_files or {})
+    for name in extra_files:
+        _check_extra_name(name)
     final = Path(folder)
     staging = staging_folder(final)
     rank = global_rank()
@@ -455,6 +464,7 @@ def save_model(folder: str | os.PathLike, module: torch.nn.Module, grid, family:
             write_index(staging, merged, sum(b for _, b, _ in parts))
             write_config(staging, family, config)
             copy_tokenizer(tokenizer_dir, staging)
+            _write_extra_files(staging, extra_files)
             publish(staging, final)
         except OSError as e:
             failure = _said(e)

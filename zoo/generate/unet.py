@@ -7,8 +7,10 @@
 ``config.json`` and ``model.safetensors`` (or the sharded index) and ``save_pretrained(folder)`` writes them. The
 folder is a zoo model folder (``zoo.convert.io``: ``config.json`` holds ``{"zoo_format", "family", "config"}``),
 so what launch/train.py exports, in any layout, loads here and what this writes trains on with ``--init``.
-Sampling is DDPM's ancestral sampler (``zoo.models.unet.ddpm_sample``, Ho et al. 2020, Algorithm 2) with
-``--steps`` of the 1000 training timesteps ("leading" spacing, as diffusers' DDPMScheduler).
+Sampling follows the folder's ``scheduler_config.json`` (diffusers' format; what the training run's objective
+wrote): DDPM's ancestral sampler (``zoo.models.unet.ddpm_sample``, Ho et al. 2020, Algorithm 2; ``--steps`` of the
+1000 training timesteps, "leading" spacing, default 250) for a ``DDPMScheduler`` or a folder without one, and Euler
+steps (``zoo.models.unet.flow_sample``, default 50) for a flow-matching model's ``FlowMatchEulerDiscreteScheduler``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class PretrainedUNet(SpecSequential):
 
         super().__init__(layer_specs(config, ParallelOptions()))
         self.config, self.family = config, family_of(config)
+        self.scheduler_config: dict | None = None  # diffusion: how it was trained (None: DDPM)
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike, *, device=None,
@@ -50,12 +53,28 @@ class PretrainedUNet(SpecSequential):
         except ValueError as e:
             raise io.CheckpointError(f"{folder}: {e}") from None
         io.load_model(folder, model)
+        if model.family == "unet-diffusion":
+            model.scheduler_config = read_scheduler_config(folder)
         return model.to(device=device or "cpu", dtype=dtype).eval()
+
+    @property
+    def objective(self) -> str | None:
+        """Diffusion U-Nets: ``"ddpm"`` or ``"flow"``, from the scheduler config; None for segmentation."""
+        from zoo.models.unet import FlowMatchSchedule, schedule_from_config
+
+        if self.family != "unet-diffusion":
+            return None
+        return "flow" if isinstance(schedule_from_config(self.scheduler_config), FlowMatchSchedule) else "ddpm"
 
     def save_pretrained(self, folder: str | os.PathLike) -> Path:
         """Write ``config.json`` + ``model.safetensors`` (a zoo model folder), replacing ``folder`` once complete."""
+        import json
+
+        from zoo.models.unet import SCHEDULER_CONFIG
+
         tensors = ((name, p.detach().cpu().contiguous()) for name, p in self.named_parameters())
-        return io.write_model_folder(folder, self.family, self.config.to_dict(), tensors)
+        extra = {SCHEDULER_CONFIG: json.dumps(self.scheduler_config, indent=2)} if self.scheduler_config else None
+        return io.write_model_folder(folder, self.family, self.config.to_dict(), tensors, extra_files=extra)
 
     @torch.no_grad()
     def segment(self, images: torch.Tensor, batch_size: int = 16) -> torch.Tensor:
@@ -66,22 +85,50 @@ class PretrainedUNet(SpecSequential):
         return torch.cat([self(chunk.to(dtype)).argmax(1) for chunk in images.split(batch_size)])
 
     @torch.no_grad()
-    def sample(self, num: int, *, steps: int = 250, seed: int = 0, batch_size: int = 64) -> torch.Tensor:
-        """``num`` images ``[num, C, H, W]`` in [-1, 1] by DDPM ancestral sampling (diffusion U-Nets).
-        Deterministic in ``seed``; drawn ``batch_size`` at a time (batch k seeded ``seed + k``)."""
-        from zoo.models.unet import ddpm_sample
+    def sample(self, num: int, *, steps: int | None = None, seed: int = 0, batch_size: int = 64) -> torch.Tensor:
+        """``num`` images ``[num, C, H, W]`` in [-1, 1] by the sampler of the model's objective (diffusion U-Nets):
+        DDPM's ancestral chain (``steps`` default 250) or flow matching's Euler steps (default 50). Deterministic
+        in ``seed``; drawn ``batch_size`` at a time (batch k seeded ``seed + k``)."""
+        from zoo.models.unet import schedule_from_config
 
         if self.family != "unet-diffusion":
             raise ValueError(f"sample() needs a diffusion U-Net, this is {self.family}")
+        schedule = schedule_from_config(self.scheduler_config)
+        steps = steps or default_steps(self.objective)
         h, w = self.config.sizes
         dtype = next(self.parameters()).dtype
         model_fn = lambda x, t: self((x.to(dtype), t)).float()  # noqa: E731
         out = []
         for k, first in enumerate(range(0, num, batch_size)):
             n = min(batch_size, num - first)
-            out.append(ddpm_sample(model_fn, (n, self.config.in_channels, h, w), seed=seed + k,
-                                   num_inference_steps=steps))
+            out.append(schedule.sample(model_fn, (n, self.config.in_channels, h, w), seed=seed + k,
+                                       num_inference_steps=steps))
         return torch.cat(out)
+
+
+def default_steps(objective: str | None) -> int:
+    """Sampling steps when none are asked for: 50 Euler steps for flow matching, 250 DDPM steps otherwise."""
+    from zoo.training.families.unet import FLOW_SAMPLE_STEPS, SAMPLE_STEPS
+
+    return FLOW_SAMPLE_STEPS if objective == "flow" else SAMPLE_STEPS
+
+
+def read_scheduler_config(folder: str | os.PathLike) -> dict | None:
+    """The diffusers scheduler config beside a diffusion model (None: there is none, the model is DDPM's);
+    :class:`zoo.convert.io.CheckpointError` when it is unreadable or names a sampler zoo does not implement."""
+    import json
+
+    from zoo.models.unet import SCHEDULER_CONFIG, schedule_from_config
+
+    path = Path(folder) / SCHEDULER_CONFIG
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text())
+        schedule_from_config(config)
+    except ValueError as e:
+        raise io.CheckpointError(f"{path}: {e}") from None
+    return config
 
 
 def image_grid(images: torch.Tensor, cols: int | None = None, pad: int = 2, scale: int = 1):
@@ -114,7 +161,7 @@ def save_grid(path: str | os.PathLike, images: torch.Tensor, *, scale: int | Non
     return path
 
 
-def sample_grid(ckpt: str | os.PathLike, out: str | os.PathLike, *, num: int = 16, steps: int = 250,
+def sample_grid(ckpt: str | os.PathLike, out: str | os.PathLike, *, num: int = 16, steps: int | None = None,
                 seed: int = 0) -> Path:
     """Sample ``num`` images from the diffusion U-Net in ``ckpt`` into the PNG grid ``out``."""
     model = PretrainedUNet.from_pretrained(ckpt)
@@ -126,13 +173,15 @@ def sample_grid(ckpt: str | os.PathLike, out: str | os.PathLike, *, num: int = 1
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m zoo.generate.unet",
                                 description="Sample a PNG grid of images from a zoo diffusion U-Net folder (DDPM "
-                                            "ancestral sampling, one process).")
+                                            "ancestral sampling or flow matching's Euler steps, as the folder's "
+                                            "scheduler_config.json says; one process).")
     p.add_argument("--ckpt", required=True, metavar="DIR",
                    help="a zoo unet-diffusion model folder, or a run folder holding model/")
     p.add_argument("--out", required=True, metavar="GRID.png", help="where to write the grid")
     p.add_argument("--num", type=int, default=16, help="images to sample (default 16)")
-    p.add_argument("--steps", type=int, default=250,
-                   help="DDPM sampling steps, 1..1000 (default 250; 50 is 5x faster and skews a small model's colours)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="sampling steps, 1..1000 (default: 250 DDPM steps, 50 is 5x faster and skews a small model's "
+                        "colours; a flow-matching model: 50 Euler steps)")
     p.add_argument("--seed", type=int, default=0, help="the same seed gives the same images (default 0)")
     return p.parse_args(argv)
 
@@ -142,16 +191,22 @@ def main(argv=None) -> int:
     if args.num < 1:
         print(f"error: --num must be >= 1, got {args.num}", file=sys.stderr)
         return 2
-    if not 1 <= args.steps <= 1000:
+    if args.steps is not None and not 1 <= args.steps <= 1000:
         print(f"error: --steps must be in [1, 1000] (of the 1000 training timesteps), got {args.steps}",
               file=sys.stderr)
         return 2
     try:
-        path = sample_grid(args.ckpt, args.out, num=args.num, steps=args.steps, seed=args.seed)
+        model = PretrainedUNet.from_pretrained(args.ckpt)
+        if model.family != "unet-diffusion":
+            raise io.CheckpointError(f"{args.ckpt} holds a {model.family!r} model; sampling needs a unet-diffusion "
+                                     f"folder")
     except io.CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {path} ({args.num} images, {args.steps} DDPM steps, seed {args.seed})")
+    steps = args.steps or default_steps(model.objective)
+    path = save_grid(args.out, model.sample(args.num, steps=steps, seed=args.seed))
+    what = "Euler (flow matching)" if model.objective == "flow" else "DDPM"
+    print(f"wrote {path} ({args.num} images, {steps} {what} steps, seed {args.seed})")
     return 0
 
 

@@ -86,6 +86,10 @@ class TrainingSection:
     # An exponential moving average of the weights (zoo.training.ema), e.g. 0.999; 0: none. Checkpoints hold it
     # (resumed in any layout) and the exported model/ is the average.
     ema_decay: float = 0.0
+    # unet-diffusion: what the U-Net learns. "ddpm" (default): the noise, sampled by DDPM's ancestral chain; "flow":
+    # the velocity of straight paths from data to noise (flow matching, as Stable Diffusion 3), sampled in Euler
+    # steps. The export records it as diffusers' scheduler_config.json.
+    objective: str | None = None
     log_interval: int = 1
     eval_interval: int = 0  # evaluate on the validation split every N steps (and before step 1, and at the end); 0: never
     eval_iters: int = 4  # global batches per evaluation (always the same held-out samples)
@@ -108,6 +112,10 @@ class DataSection:
     tokenizer: str | None = None  # HF tokenizer folder (for samples and the exported model); embedded: trained
     tokenizer_vocab_size: int | None = None  # embedded: BPE vocabulary to train; default model.vocab_size
     cache_dir: str = "~/.cache/zoo"  # where the embedded corpus is tokenized once
+    # U-Net families, embedded shapes images: at most this many shapes per image (default 3), and their radius as
+    # [min, max] fractions of the image size (default [0.12, 0.3])
+    shapes_per_image: int | None = None
+    shape_radius: list | None = None
 
 
 @dataclass
@@ -258,6 +266,32 @@ def init_model_config(cfg: RunConfig):
     return model, str(src) if has_tokenizer else None
 
 
+def _validate_diffusion_options(cfg: RunConfig) -> None:
+    """training.objective and the shapes options of data: where they apply and their values."""
+    tr, data, family = cfg.training, cfg.data, cfg.model.family
+    if tr.objective is not None:
+        if family != "unet-diffusion":
+            raise ConfigError(f"training.objective is for the unet-diffusion family, not {family!r}; remove it")
+        if tr.objective not in ("ddpm", "flow"):
+            raise ConfigError(f"training.objective must be ddpm (noise prediction) or flow (flow matching), got "
+                              f"{tr.objective!r}")
+    for name in ("shapes_per_image", "shape_radius"):
+        if getattr(data, name) is None:
+            continue
+        if not family.startswith("unet-") or data.source == "folders":
+            raise ConfigError(f"data.{name} shapes the embedded images of the U-Net families; it means nothing "
+                              f"for {family!r} with data.source {data.source!r}: remove it")
+    n = data.shapes_per_image
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ConfigError(f"data.shapes_per_image must be a positive integer, got {n!r}")
+    r = data.shape_radius
+    if r is not None and not (isinstance(r, (list, tuple)) and len(r) == 2
+                              and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in r)
+                              and 0 < r[0] <= r[1] <= 0.5):
+        raise ConfigError(f"data.shape_radius must be [min, max] fractions of the image size with "
+                          f"0 < min <= max <= 0.5, e.g. [0.25, 0.45]; got {r!r}")
+
+
 def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = None,
              bf16_supported: bool | None = None):
     """Check the run for ``world_size`` processes; fill in dp, accumulation and global batch. Returns the model config."""
@@ -336,6 +370,7 @@ def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = N
     if isinstance(tr.ema_decay, bool) or not isinstance(tr.ema_decay, (int, float)) or not 0 <= tr.ema_decay < 1:
         raise ConfigError(f"training.ema_decay must be a number in [0, 1) (0: no average; e.g. 0.999), got "
                           f"{tr.ema_decay!r}")
+    _validate_diffusion_options(cfg)
     if tr.compile:
         import torch._dynamo
 

@@ -169,6 +169,7 @@ def train_and_save(cfg: RunConfig, model_cfg, grid, data, *, resume=None, univer
     ``data.tokenizer_dir``'s tokenizer). The engine is destroyed; returns the ``RunResult`` (losses, validation
     losses) without it; with ``keep_metrics``, its ``metrics`` writer still open (the caller closes it)."""
     from zoo.convert.io import save_model
+    from zoo.training.families import get_family
     from zoo.training.train import destroy_engine, train
 
     result = train(cfg, model_cfg, grid, log=say, resume=resume, universal=universal, data=data, keep_engine=True,
@@ -179,7 +180,8 @@ def train_and_save(cfg: RunConfig, model_cfg, grid, data, *, resume=None, univer
         if cfg.training.save if export is None else export:
             with ema.swapped() if ema is not None else nullcontext():  # the average is the model
                 save_model(Path(cfg.out) / "model", engine.module, grid, cfg.model.family, model_cfg.to_dict(),
-                           tokenizer_dir=data.tokenizer_dir)
+                           tokenizer_dir=data.tokenizer_dir,
+                           extra_files=get_family(cfg.model.family).export_files(cfg, model_cfg))
             if ema is not None and grid.rank == 0:
                 say(f"{Path(cfg.out) / 'model'} holds the weight average (training.ema_decay "
                     f"{cfg.training.ema_decay}); the trained weights are in the checkpoints")

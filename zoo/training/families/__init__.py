@@ -94,6 +94,11 @@ class Family:
     def derive_metrics(self, stats: dict) -> dict:
         return {}
 
+    def export_files(self, cfg, config) -> dict[str, str]:
+        """Files written into the exported model folder beside the weights (name -> text), e.g. a sampler's
+        config; none by default."""
+        return {}
+
     def after_evaluation(self, engine, cfg, grid, data, step: int) -> None:
         """Called on every rank after each evaluation (collective work allowed), e.g. to draw predictions."""
 

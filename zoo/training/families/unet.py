@@ -5,9 +5,11 @@ entropy, and the loss object also counts, per class, the pixels of prediction an
 (``stats()``), from which every step and evaluation reports Dice and IoU (means over the foreground classes present
 in prediction or mask; background excluded) and pixel accuracy.
 
-``unet-diffusion``: a sample is ``((x_t [C, H, W], t), noise)``: DDPM's training pair (Ho et al. 2020, Algorithm 1)
-for clean image ``x0``, with ``t`` and the noise drawn from the sample's own seeded generator, so it is a pure
-function of the global sample index like every zoo dataset; the loss is the noise MSE.
+``unet-diffusion``: a sample is ``((x_t [C, H, W], t), target)``, the training pair of ``training.objective`` for
+clean image ``x0``: ``ddpm`` (default; Ho et al. 2020, Algorithm 1), an integer step and the noise as target;
+``flow`` (flow matching, ``zoo.models.unet.FlowMatchSchedule``), a float step ``s * 1000`` and the velocity
+``noise - x0``. The level and the noise come from the sample's own seeded generator, so the pair is a pure function
+of the global sample index like every zoo dataset; the loss is the MSE to the target.
 
 Data (``data.source``): ``embedded`` (default; ``synthetic`` is a synonym): ``zoo.data.shapes``, procedurally
 generated shapes, nothing to download; ``folders``: ``data.paths: [images_dir, masks_dir]`` (segmentation) or
@@ -17,7 +19,8 @@ or a seeded ``data.valid_fraction`` of the pairs. ``training.seq_length`` means 
 What is shown: segmentation, a grid (image / true mask / predicted mask of the first validation images) in
 ``OUT/samples/step_XXXXXXXX.png``, drawn at the end from the exported model (``after_training``) and, where the
 training loop calls the hook after an evaluation, by :meth:`SegmentationFamily.after_evaluation` (any layout);
-diffusion, ``OUT/samples.png`` sampled from the exported model with ``ddpm_sample``.
+diffusion, ``OUT/samples.png`` sampled from the exported model with its objective's sampler (DDPM's ancestral
+chain, or flow matching's Euler steps), which the export records as ``model/scheduler_config.json``.
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ from zoo.training.families import Data, Family, read_run_config
 SOURCES = ("embedded", "synthetic", "folders")
 EMBEDDED_LENGTH = 1 << 40  # the procedural datasets have no end; sample indices stay far below this
 GRID_IMAGES = 4  # validation images in a segmentation grid
-# The diffusion grid: images, DDPM sampling steps (of 1000). The tiny run's model sampled in 50 steps skews every
-# image green/yellow; in 250 (~12 s for 16 images on 2 cores) the backgrounds take the data's hues.
-SAMPLE_IMAGES, SAMPLE_STEPS = 16, 250
+# The diffusion grid: images, and sampling steps of DDPM (of 1000: the tiny run's model sampled in 50 steps skews
+# every image green/yellow; in 250, ~12 s for 16 images on 2 cores, the backgrounds take the data's hues) and of
+# flow matching (Euler steps; 50 as diffusers' default).
+SAMPLE_IMAGES, SAMPLE_STEPS, FLOW_SAMPLE_STEPS = 16, 250, 50
 SAMPLES_DIR = "samples"
 
 
@@ -89,21 +93,32 @@ def segmentation_metrics(stats: dict) -> dict:
 
 
 class NoisedImages:
-    """DDPM training pairs from clean images: ``ds[i] -> ((x_t [C, H, W], t []), noise [C, H, W])``; ``t`` and the
-    noise come from a generator seeded with ``(seed, i)``, so the pair is a pure function of ``i``."""
+    """Diffusion training pairs from clean images: ``ds[i] -> ((x_t [C, H, W], t []), target [C, H, W])`` of
+    ``schedule`` (a ``DDPMSchedule`` or ``FlowMatchSchedule``); the level and the noise come from a generator seeded
+    with ``(seed, i)``, so the pair is a pure function of ``i``."""
 
-    def __init__(self, images, seed: int):
+    def __init__(self, images, seed: int, schedule=None):
         from zoo.models.unet import DDPMSchedule
 
-        self.images, self.seed, self.schedule = images, seed, DDPMSchedule()
+        self.images, self.seed, self.schedule = images, seed, schedule or DDPMSchedule()
 
     def __len__(self) -> int:
         return len(self.images)
 
     def __getitem__(self, index: int):
         x0 = self.images[index][None]  # [1, C, H, W]
-        (x_t, t), noise = self.schedule.training_batch(x0, seeds=[self.seed * (1 << 32) + index])
-        return (x_t[0], t[0]), noise[0]
+        (x_t, t), target = self.schedule.training_batch(x0, seeds=[self.seed * (1 << 32) + index])
+        return (x_t[0], t[0]), target[0]
+
+
+def shapes_options(data) -> dict:
+    """The embedded shapes images' keyword arguments from ``data.shapes_per_image`` / ``data.shape_radius``."""
+    options = {}
+    if getattr(data, "shapes_per_image", None) is not None:
+        options["max_shapes"] = int(data.shapes_per_image)
+    if getattr(data, "shape_radius", None) is not None:
+        options["radius_range"] = tuple(float(v) for v in data.shape_radius)
+    return options
 
 
 def _square_size(sizes: tuple[int, int], what: str) -> int:
@@ -336,9 +351,8 @@ class SegmentationFamily(_UNetFamily):
             from zoo.data.shapes import ShapesSegmentation
 
             size = _square_size(config.sizes, "model.image_size")
-            return Data(ShapesSegmentation(size, seed=tr.seed, length=EMBEDDED_LENGTH, channels=config.in_channels),
-                        ShapesSegmentation(size, seed=tr.seed + 1, length=EMBEDDED_LENGTH,
-                                           channels=config.in_channels))
+            kw = dict(length=EMBEDDED_LENGTH, channels=config.in_channels, **shapes_options(data))
+            return Data(ShapesSegmentation(size, seed=tr.seed, **kw), ShapesSegmentation(size, seed=tr.seed + 1, **kw))
         return Data(*self.folder_datasets(data, tr.seed, config.in_channels))
 
     @staticmethod
@@ -415,7 +429,8 @@ class SegmentationFamily(_UNetFamily):
             from zoo.data.shapes import ShapesSegmentation
 
             size = _square_size(model.config.sizes, "model.image_size")
-            valid = ShapesSegmentation(size, seed=seed + 1, length=EMBEDDED_LENGTH, channels=model.config.in_channels)
+            valid = ShapesSegmentation(size, seed=seed + 1, length=EMBEDDED_LENGTH, channels=model.config.in_channels,
+                                       **shapes_options(data))
         images, masks = self.grid_batch(valid)
         path = self.draw(images, masks, model.segment(images), model.config.classes, grid_path(out, step),
                          f"step {step} (exported model)", source=data.source)
@@ -500,8 +515,8 @@ class DiffusionFamily(_UNetFamily):
             from zoo.data.shapes import ShapesImages
 
             size = _square_size(config.sizes, "model.sample_size")
-            train = ShapesImages(size, seed=seed, length=EMBEDDED_LENGTH, channels=config.in_channels)
-            valid = ShapesImages(size, seed=seed + 1, length=EMBEDDED_LENGTH, channels=config.in_channels)
+            kw = dict(length=EMBEDDED_LENGTH, channels=config.in_channels, **shapes_options(data))
+            train, valid = ShapesImages(size, seed=seed, **kw), ShapesImages(size, seed=seed + 1, **kw)
         else:
             from zoo.data.image_folders import ImageFolder, split_stems
 
@@ -515,18 +530,34 @@ class DiffusionFamily(_UNetFamily):
                 t_stems, v_stems = split_stems(ImageFolder(images, channels=ch).stems, data.valid_fraction, seed)
                 train = ImageFolder(images, channels=ch, seed=seed, stems=t_stems)
                 valid = ImageFolder(images, channels=ch, seed=seed, stems=v_stems, shuffle=False) if v_stems else None
-        return Data(NoisedImages(train, seed), None if valid is None else NoisedImages(valid, seed + 1))
+        from zoo.models.unet import schedule_for
+
+        schedule = schedule_for(cfg.training.objective)
+        return Data(NoisedImages(train, seed, schedule),
+                    None if valid is None else NoisedImages(valid, seed + 1, schedule))
+
+    def export_files(self, cfg, config) -> dict[str, str]:
+        """``scheduler_config.json``: the diffusers scheduler of the objective, so the folder says how to sample it
+        (zoo's sampler, and diffusers' ``<Scheduler>.from_pretrained`` on the diffusers export)."""
+        import json
+
+        from zoo.models.unet import SCHEDULER_CONFIG, schedule_for
+
+        return {SCHEDULER_CONFIG: json.dumps(schedule_for(cfg.training.objective).to_diffusers(), indent=2)}
 
     def after_training(self, model_dir, log, num: int | None = None, steps: int | None = None) -> dict:
-        """``OUT/samples.png``: ``num`` images sampled from the exported model (``steps`` DDPM steps), read back
-        from disk in this process."""
-        from zoo.generate.unet import sample_grid
+        """``OUT/samples.png``: ``num`` images sampled from the exported model (``steps`` sampling steps of its
+        objective), read back from disk in this process."""
+        from zoo.generate.unet import PretrainedUNet, save_grid
 
-        num, steps = num or SAMPLE_IMAGES, steps or SAMPLE_STEPS
         out = Path(model_dir).parent
         seed = int((read_run_config(out).get("training") or {}).get("seed", 0))
-        path = sample_grid(model_dir, out / "samples.png", num=num, steps=steps, seed=seed)
-        log(f"samples ({num} images, {steps} DDPM steps, seed {seed}): {path}")
+        model = PretrainedUNet.from_pretrained(model_dir)
+        flow = model.objective == "flow"
+        num, steps = num or SAMPLE_IMAGES, steps or (FLOW_SAMPLE_STEPS if flow else SAMPLE_STEPS)
+        path = save_grid(out / "samples.png", model.sample(num, steps=steps, seed=seed))
+        log(f"samples ({num} images, {steps} {'Euler (flow matching)' if flow else 'DDPM'} steps, seed {seed}): "
+            f"{path}")
         return {"samples": path}
 
 
