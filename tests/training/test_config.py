@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from zoo.training.config import ConfigError, deepspeed_config, load, validate
 
@@ -147,3 +148,21 @@ def test_cli_refuses_before_starting_anything(tmp_path, flags, error):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors == [error]
     assert not out.exists(), "a refused run writes nothing"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs/unet").glob("*.yaml")), ids=lambda p: p.name)
+def test_unet_configs_validate_and_build_their_data(path):
+    """Every shipped U-Net config validates, and its data gives the model's input size; the flow example's
+    images hold one large shape each and its pairs carry float timesteps."""
+    from zoo.training.families import get_family
+
+    cfg = load(path, [])
+    model_cfg = validate(cfg, 1)
+    data = get_family(cfg.model.family).build_data(cfg, model_cfg, None)
+    sample = data.train[0]
+    image = sample[0][0] if cfg.model.family == "unet-diffusion" else sample[0]
+    assert tuple(image.shape[-2:]) == tuple(model_cfg.sizes)
+    if cfg.training.objective == "flow":
+        assert sample[0][1].dtype == torch.float32 and 0 < float(sample[0][1]) < 1000
+        shapes = data.train.images.shapes(0)
+        assert len(shapes) == 1 and shapes[0].radius >= 0.25 * model_cfg.sizes[0]

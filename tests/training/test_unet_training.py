@@ -282,6 +282,11 @@ def test_diffusion_run_learns_and_writes_its_sample_grid(diffusion_run, tmp_path
     assert (tmp_path / "g.png").read_bytes() == (tmp_path / "h.png").read_bytes(), "same seed, same images"
     scheduler = json.loads((diffusion_run / "model" / "scheduler_config.json").read_text())
     assert scheduler["_class_name"] == "DDPMScheduler" and scheduler["prediction_type"] == "epsilon"
+    from zoo.training.config import load, validate
+
+    cfg = load(CONFIGS["diffusion"], [f"training.init_from={diffusion_run / 'model'}"])
+    validate(cfg, 1)
+    assert cfg.training.objective == "ddpm", "training from a DDPM model goes on with DDPM"
 
 
 def test_flow_matching_run_exports_its_scheduler_and_samples_with_it(tmp_path, capsys):
@@ -307,6 +312,16 @@ def test_flow_matching_run_exports_its_scheduler_and_samples_with_it(tmp_path, c
     assert (out / "samples.png").is_file() and len([r for r in records(out) if "loss" in r]) == 3
     assert sample_main(["--ckpt", str(out), "--out", str(tmp_path / "g.png"), "--num", "2", "--steps", "2"]) == 0
     assert capsys.readouterr().out.strip().endswith("(2 images, 2 Euler (flow matching) steps, seed 0)")
+    # Training from it goes on with flow matching (from the zoo folder or its diffusers export) unless told otherwise.
+    from zoo.convert.hf_diffusers import export_unet2d
+    from zoo.training.config import load, validate
+
+    export_unet2d(out / "model", tmp_path / "hf")
+    for init, given, want in ((out / "model", [], "flow"), (tmp_path / "hf", [], "flow"),
+                              (out / "model", ["training.objective=ddpm"], "ddpm")):
+        cfg = load(CONFIGS["diffusion"], [f"training.init_from={init}", *given])
+        validate(cfg, 1)
+        assert cfg.training.objective == want, (init, given)
 
 
 def test_sampling_cli_refuses_other_folders(seg_run, tmp_path, capsys):

@@ -420,22 +420,31 @@ def _encode_in_worker(texts: list[str]):
 
 def _encoded(batches: Iterator[list[str]], tokenizer, folder: str, eod: int | None, dtype: str, workers: int):
     """``_encode_batch`` of each batch, in order: here, or in ``workers`` spawned processes with at most
-    ``2 * workers`` batches in flight (``Pool.imap`` would read the whole input ahead into its queue)."""
+    ``2 * workers`` batches in flight (``Pool.imap`` or ``Executor.map`` would read the whole input ahead)."""
     if workers == 1:
         encode = _encoder(tokenizer)
         for texts in batches:
             yield _encode_batch(encode, texts, eod, dtype)
         return
     # spawn, not fork: the parent may already run tokenizer threads (BPE training), which a fork would not carry.
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(workers, _init_worker, (_tokenizer_spec(tokenizer, folder), eod, dtype)) as pool:
+    # An executor, not multiprocessing.Pool: on an error (a bad record deep in the input) Pool.terminate kills
+    # workers that may hold its result queue's lock and then waits on that lock forever (seen in CI); the executor
+    # cancels the queued batches and lets the running ones finish.
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
+                             initargs=(_tokenizer_spec(tokenizer, folder), eod, dtype)) as pool:
         pending: collections.deque = collections.deque()
-        for texts in batches:
-            pending.append(pool.apply_async(_encode_in_worker, (texts,)))
-            if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
+        try:
+            for texts in batches:
+                pending.append(pool.submit(_encode_in_worker, texts))
+                if len(pending) >= 2 * workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()
 
 
 def run(args: argparse.Namespace) -> str:

@@ -108,9 +108,9 @@ class PretrainedUNet(SpecSequential):
 
 def default_steps(objective: str | None) -> int:
     """Sampling steps when none are asked for: 50 Euler steps for flow matching, 250 DDPM steps otherwise."""
-    from zoo.training.families.unet import FLOW_SAMPLE_STEPS, SAMPLE_STEPS
+    from zoo.models.unet import default_sample_steps
 
-    return FLOW_SAMPLE_STEPS if objective == "flow" else SAMPLE_STEPS
+    return default_sample_steps(objective)
 
 
 def read_scheduler_config(folder: str | os.PathLike) -> dict | None:

@@ -29,15 +29,14 @@ from pathlib import Path
 
 import torch
 
+from zoo.models.unet import DDPM_SAMPLE_STEPS as SAMPLE_STEPS, FLOW_SAMPLE_STEPS
 from zoo.training.families import Data, Family, read_run_config
 
 SOURCES = ("embedded", "synthetic", "folders")
 EMBEDDED_LENGTH = 1 << 40  # the procedural datasets have no end; sample indices stay far below this
 GRID_IMAGES = 4  # validation images in a segmentation grid
-# The diffusion grid: images, and sampling steps of DDPM (of 1000: the tiny run's model sampled in 50 steps skews
-# every image green/yellow; in 250, ~12 s for 16 images on 2 cores, the backgrounds take the data's hues) and of
-# flow matching (Euler steps; 50 as diffusers' default).
-SAMPLE_IMAGES, SAMPLE_STEPS, FLOW_SAMPLE_STEPS = 16, 250, 50
+# The diffusion grid: its images; its sampling steps (imported above) are module globals, so a test can shorten them.
+SAMPLE_IMAGES = 16
 SAMPLES_DIR = "samples"
 
 
@@ -457,6 +456,19 @@ def _forward_all_stages(module, x, grid, device):
         return out
 
 
+def init_objective(src) -> str:
+    """The objective the diffusion model in ``src`` (a zoo or diffusers folder) was trained with, from its scheduler
+    config (none: DDPM): training from it goes on with that one unless training.objective says otherwise."""
+    from zoo.convert import io
+    from zoo.convert.hf_diffusers import model_folder, scheduler_config_of
+    from zoo.models.unet import FlowMatchSchedule, schedule_from_config
+
+    src = Path(src).expanduser()
+    folder = src if io.is_model_folder(src) else model_folder(src)
+    schedule = schedule_from_config(scheduler_config_of(src, folder))
+    return "flow" if isinstance(schedule, FlowMatchSchedule) else "ddpm"
+
+
 class DiffusionFamily(_UNetFamily):
     name = "unet-diffusion"
 
@@ -490,6 +502,8 @@ class DiffusionFamily(_UNetFamily):
         from zoo.data.image_folders import ImageFolder
 
         self._validate_common(cfg, config)
+        if cfg.training.init_from is not None and cfg.training.objective is None:
+            cfg.training.objective = init_objective(cfg.training.init_from)
         if config.out_channels != config.in_channels:
             raise ValueError(f"DDPM predicts the noise added to the image: model.out_channels {config.out_channels} "
                              f"must equal model.in_channels {config.in_channels}")
