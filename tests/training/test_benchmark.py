@@ -109,12 +109,16 @@ def test_gpu_suite_needs_a_gpu(capsys):
     assert err.startswith("error: --gpu-suite needs a GPU") and len(err.splitlines()) == 1
 
 
-def test_roofline_counts_the_fused_loss_gemms():
-    """The fused head + loss runs the head's three GEMMs in chunks (one writes in place, ``mm(out=)``): the
-    recorded GEMM FLOPs equal the unfused model's, which the test above holds to the FLOP counter."""
+def test_roofline_counts_the_fused_loss_gemms(monkeypatch):
+    """The fused head + loss runs the head's three GEMMs in chunks (its input gradient written with ``mm(out=)``,
+    its weight gradient accumulated over the chunks with ``addmm_``): the recorded GEMM FLOPs equal the unfused
+    model's, which the test above holds to the FLOP counter. Chunks of 8 tokens make 4 of the 32 here."""
     import torch
 
+    import zoo.parallel.cross_entropy as ce
     from zoo.bench.gpt import build_parser, build_zoo, gemm_shapes, zoo_config
+
+    monkeypatch.setattr(ce, "CPU_CHUNK_ELEMENTS", 8 * 256)
 
     args = build_parser().parse_args(["--hidden-size", "32", "--layers", "1", "--heads", "2", "--vocab-size", "256"])
     cfg = zoo_config("gpt2", args)

@@ -346,17 +346,19 @@ def compiled(trainee: Trainee) -> Trainee:
 
 def gemm_shapes(trainee: Trainee, ids, labels) -> dict:
     """``{(batch, m, n, k, a transposed, b transposed, dtype): calls}`` of every matrix product one training
-    step runs (aten mm / addmm / bmm / baddbmm, forward and backward), recorded by a dispatch mode around one
+    step runs (aten mm / addmm / bmm / baddbmm, plain, out= and in place; forward and backward), recorded by a dispatch mode around one
     extra, untimed eager step."""
     from collections import Counter
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
     aten = torch.ops.aten
-    # the out= forms too: zoo's fused cross entropy writes its input gradient in place (torch.mm(..., out=))
-    two_d = {aten.mm.default: (0, 1), aten.mm.out: (0, 1), aten.addmm.default: (1, 2), aten.addmm.out: (1, 2)}
+    # the out= and in-place forms too: zoo's fused cross entropy writes its input gradient with torch.mm(..., out=)
+    # and accumulates its weight gradient over the chunks with addmm_
+    two_d = {aten.mm.default: (0, 1), aten.mm.out: (0, 1), aten.addmm.default: (1, 2), aten.addmm.out: (1, 2),
+             aten.addmm_.default: (1, 2)}
     three_d = {aten.bmm.default: (0, 1), aten.bmm.out: (0, 1), aten.baddbmm.default: (1, 2),
-               aten.baddbmm.out: (1, 2)}
+               aten.baddbmm.out: (1, 2), aten.baddbmm_.default: (1, 2)}
     shapes: Counter = Counter()
 
     def transposed(t: torch.Tensor) -> bool:
