@@ -60,11 +60,11 @@ class PretrainedUNet(SpecSequential):
     @property
     def objective(self) -> str | None:
         """Diffusion U-Nets: ``"ddpm"`` or ``"flow"``, from the scheduler config; None for segmentation."""
-        from zoo.models.unet import FlowMatchSchedule, schedule_from_config
+        from zoo.models.unet import objective_of
 
         if self.family != "unet-diffusion":
             return None
-        return "flow" if isinstance(schedule_from_config(self.scheduler_config), FlowMatchSchedule) else "ddpm"
+        return objective_of(self.scheduler_config)
 
     def save_pretrained(self, folder: str | os.PathLike) -> Path:
         """Write ``config.json`` + ``model.safetensors`` (a zoo model folder), replacing ``folder`` once complete."""
@@ -89,12 +89,12 @@ class PretrainedUNet(SpecSequential):
         """``num`` images ``[num, C, H, W]`` in [-1, 1] by the sampler of the model's objective (diffusion U-Nets):
         DDPM's ancestral chain (``steps`` default 250) or flow matching's Euler steps (default 50). Deterministic
         in ``seed``; drawn ``batch_size`` at a time (batch k seeded ``seed + k``)."""
-        from zoo.models.unet import schedule_from_config
+        from zoo.models.unet import default_sample_steps, schedule_from_config
 
         if self.family != "unet-diffusion":
             raise ValueError(f"sample() needs a diffusion U-Net, this is {self.family}")
         schedule = schedule_from_config(self.scheduler_config)
-        steps = steps or default_steps(self.objective)
+        steps = steps or default_sample_steps(self.objective)
         h, w = self.config.sizes
         dtype = next(self.parameters()).dtype
         model_fn = lambda x, t: self((x.to(dtype), t)).float()  # noqa: E731
@@ -104,13 +104,6 @@ class PretrainedUNet(SpecSequential):
             out.append(schedule.sample(model_fn, (n, self.config.in_channels, h, w), seed=seed + k,
                                        num_inference_steps=steps))
         return torch.cat(out)
-
-
-def default_steps(objective: str | None) -> int:
-    """Sampling steps when none are asked for: 50 Euler steps for flow matching, 250 DDPM steps otherwise."""
-    from zoo.models.unet import default_sample_steps
-
-    return default_sample_steps(objective)
 
 
 def read_scheduler_config(folder: str | os.PathLike) -> dict | None:
@@ -203,7 +196,9 @@ def main(argv=None) -> int:
     except io.CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    steps = args.steps or default_steps(model.objective)
+    from zoo.models.unet import default_sample_steps
+
+    steps = args.steps or default_sample_steps(model.objective)
     path = save_grid(args.out, model.sample(args.num, steps=steps, seed=args.seed))
     what = "Euler (flow matching)" if model.objective == "flow" else "DDPM"
     print(f"wrote {path} ({args.num} images, {steps} {what} steps, seed {args.seed})")

@@ -1139,3 +1139,9 @@ def schedule_from_config(d: dict | None):
                              f"{unsupported}")
         return FlowMatchSchedule(int(d.get("num_train_timesteps", 1000)))
     raise ValueError(f"scheduler {name!r}: zoo samples DDPMScheduler and FlowMatchEulerDiscreteScheduler models")
+
+
+def objective_of(scheduler_config: dict | None) -> str:
+    """``"flow"`` or ``"ddpm"``: the objective a model with this diffusers scheduler config (None: none) was trained
+    with. Raises ValueError as :func:`schedule_from_config` does."""
+    return "flow" if isinstance(schedule_from_config(scheduler_config), FlowMatchSchedule) else "ddpm"

@@ -461,12 +461,11 @@ def init_objective(src) -> str:
     config (none: DDPM): training from it goes on with that one unless training.objective says otherwise."""
     from zoo.convert import io
     from zoo.convert.hf_diffusers import model_folder, scheduler_config_of
-    from zoo.models.unet import FlowMatchSchedule, schedule_from_config
+    from zoo.models.unet import objective_of
 
     src = Path(src).expanduser()
     folder = src if io.is_model_folder(src) else model_folder(src)
-    schedule = schedule_from_config(scheduler_config_of(src, folder))
-    return "flow" if isinstance(schedule, FlowMatchSchedule) else "ddpm"
+    return objective_of(scheduler_config_of(src, folder))
 
 
 class DiffusionFamily(_UNetFamily):
