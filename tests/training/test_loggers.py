@@ -37,6 +37,8 @@ def wandb_records(path: Path):
         if kind == 0:
             pos += left
             continue
+        if pos + 7 + length > len(data):  # a chunk still being written
+            break
         parts += data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (FULL, LAST):
@@ -50,10 +52,21 @@ def items(entries) -> dict:
     return {e.key or "/".join(e.nested_key): json.loads(e.value_json) for e in entries}
 
 
-def read_wandb_run(out: Path) -> dict:
+def read_wandb_run(out: Path, timeout_s: float = 60.0) -> dict:
+    """The run's history, summary and identity from its offline transaction log. ``run.finish()`` can return
+    before W&B's service process has written the last records (it writes them before the process exits), so this
+    waits for the log's exit record, up to ``timeout_s``."""
+    import time
+
     (path,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = list(wandb_records(path))
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     run = {"history": {}, "summary": {}, "dir": path.parent}
-    for record in wandb_records(path):
+    for record in records:
         kind = record.WhichOneof("record_type")
         if kind == "run":
             run.update(project=record.run.project, name=record.run.display_name, tags=list(record.run.tags),
