@@ -346,8 +346,8 @@ def compiled(trainee: Trainee) -> Trainee:
 
 def gemm_shapes(trainee: Trainee, ids, labels) -> dict:
     """``{(batch, m, n, k, a transposed, b transposed, dtype): calls}`` of every matrix product one training
-    step runs (aten mm / addmm / bmm / baddbmm, plain, out= and in place; forward and backward), recorded by a dispatch mode around one
-    extra, untimed eager step."""
+    step runs (aten mm / addmm / bmm / baddbmm, plain, out= and in place; forward and backward), recorded by a
+    dispatch mode around one extra, untimed eager step."""
     from collections import Counter
 
     from torch.utils._python_dispatch import TorchDispatchMode
