@@ -82,6 +82,35 @@ def test_single_shape_area_matches_geometry(kind, area):
     assert checked >= 5, f"only {checked} {kind}s fully inside the image were checked"
 
 
+def test_centre_offset_places_shapes_near_the_centre_and_changes_nothing_else():
+    """centre_offset=0: every shape sits at the image centre (its pixel labelled), offset 0.1: within 0.1 of the side;
+    kind, size, rotation, colours, background and noise are the same draws as placed anywhere."""
+    size, radius = 32, (0.35, 0.35)
+    anywhere = ShapesSegmentation(size, seed=4, max_shapes=1, radius_range=radius)
+    centred = ShapesSegmentation(size, seed=4, max_shapes=1, radius_range=radius, centre_offset=0.0)
+    near = ShapesSegmentation(size, seed=4, max_shapes=1, radius_range=radius, centre_offset=0.1)
+    kinds, moved = set(), 0
+    for i in range(30):
+        (a,), (c,), (n,) = anywhere.shapes(i), centred.shapes(i), near.shapes(i)
+        assert (c.cx, c.cy) == (size / 2, size / 2)
+        assert max(abs(n.cx - size / 2), abs(n.cy - size / 2)) <= 0.1 * size
+        for other in (c, n):
+            assert (other.kind, other.radius, other.angle, other.color) == (a.kind, a.radius, a.angle, a.color)
+        assert a.radius == 0.35 * size
+        image, mask = centred[i]
+        assert mask[size // 2, size // 2] == c.label
+        other_image, other_mask = anywhere[i]
+        both = (mask == 0) & (other_mask == 0)
+        assert both.sum() > 100 and torch.equal(image[:, both], other_image[:, both]), \
+            "the background (colour, gradient, noise) is the same draw"
+        kinds.add(c.kind)
+        moved += (a.cx, a.cy) != (c.cx, c.cy)
+    assert kinds == {"circle", "square", "triangle"} and moved == 30
+    for bad in (-0.1, 0.6):
+        with pytest.raises(ValueError, match="centre_offset must be in"):
+            ShapesSegmentation(size, centre_offset=bad)
+
+
 def test_write_folders_round_trip(tmp_path):
     from zoo.data.image_folders import match_pairs, read_mask
     from zoo.data.shapes import ShapesSegmentation, main

@@ -301,7 +301,8 @@ def test_flow_matching_run_exports_its_scheduler_and_samples_with_it(tmp_path, c
     unet.FLOW_SAMPLE_STEPS = 2
     try:
         assert main(["--config", str(CONFIGS["diffusion"]), "--out", str(out), "--steps", "3", "--set",
-                     "training.objective=flow", "data.shapes_per_image=1", "data.shape_radius=[0.25, 0.45]",
+                     "training.objective=flow", "data.shapes_per_image=1", "data.shape_radius=[0.35, 0.35]",
+                     "data.shape_offset=0",
                      "training.micro_batch_size=4", "training.global_batch_size=4", "training.eval_interval=0",
                      "training.loggers=[]"]) == 0
     finally:
@@ -344,6 +345,19 @@ def test_benchmark_runs_both_models(capsys):
 
 # ---- bad input: one error line from launch/train.py's main, before any process group -------------------------
 
+def test_flow_example_trains_on_centred_shapes_of_one_size():
+    """configs/unet/diffusion-flow.yaml's data options reach the images the run trains and validates on."""
+    from zoo.training.config import load, validate
+    from zoo.training.families.unet import FAMILIES
+
+    cfg = load(ROOT / "configs/unet/diffusion-flow.yaml", [])
+    data = FAMILIES["unet-diffusion"].build_data(cfg, validate(cfg, 1), None)
+    for split in (data.train, data.valid):
+        for i in range(5):
+            (shape,) = split.images.shapes(i)
+            assert (shape.cx, shape.cy, shape.radius) == (16, 16, 0.35 * 32)
+
+
 def error_line(capsys, argv):
     from zoo.training.train import main
 
@@ -377,6 +391,8 @@ def test_bad_inputs_give_one_error_line(capsys, tmp_path, monkeypatch):
     assert "data.shape_radius must be [min, max] fractions" in msg and "[0.3, 0.6]" in msg
     msg = error_line(capsys, seg + ["--set", "data.shapes_per_image=0"])
     assert "data.shapes_per_image must be a positive integer, got 0" in msg
+    msg = error_line(capsys, diffusion + ["--set", "data.shape_offset=0.7"])
+    assert "data.shape_offset must be a fraction of the image size in [0, 0.5]" in msg and "0.7" in msg
 
     images, masks = write_folders(tmp_path / "data", 3, size=16)
     folders = ["--set", "data.source=folders", f"data.paths=[{images}, {masks}]"]

@@ -7,6 +7,8 @@ with ``zoo.data.synthetic``. Nothing is downloaded or stored; a 32x32 sample tak
 An image: a background of a random colour with a linear gradient, then 1..``max_shapes`` filled shapes (circle,
 square, equilateral triangle; random centre, size, rotation, colour clearly apart from the background), painted in
 order so later shapes cover earlier ones, then Gaussian pixel noise; values in [-1, 1], ``[C, H, W]`` float32.
+``centre_offset`` keeps the centres near the image's (0: centred; the diffusion examples use it with one size, which
+a small model learns to draw within a few CPU minutes; anywhere, the default, needs far more training).
 The mask ``[H, W]`` int64 holds, per pixel, the class of the shape visible there (:data:`CLASSES`; 0 = background).
 A pixel belongs to a shape when its centre ``(x + 0.5, y + 0.5)`` lies inside it.
 """
@@ -63,13 +65,21 @@ class ShapesSegmentation:
     num_classes = len(CLASSES)
 
     def __init__(self, size: int = 32, *, seed: int = 0, length: int = 100_000, channels: int = 3,
-                 max_shapes: int = 3, noise: float = 0.05, radius_range: tuple[float, float] = (0.12, 0.3)):
+                 max_shapes: int = 3, noise: float = 0.05, radius_range: tuple[float, float] = (0.12, 0.3),
+                 centre_offset: float | None = None):
+        """``radius_range``: the shapes' radius as [min, max] fractions of ``size``; ``centre_offset``: their centres
+        at most this fraction of ``size`` from the image centre in x and y (0: centred), or anywhere (None) such that
+        at least half the radius lies inside."""
         if size < 8:
             raise ValueError(f"shapes images need size >= 8, got {size}")
         if not 1 <= max_shapes:
             raise ValueError(f"max_shapes must be >= 1, got {max_shapes}")
+        if centre_offset is not None and not 0 <= centre_offset <= 0.5:
+            raise ValueError(f"centre_offset must be in [0, 0.5] (a fraction of the image side) or None, got "
+                             f"{centre_offset}")
         self.size, self.seed, self.length, self.channels = size, seed, length, channels
         self.max_shapes, self.noise, self.radius_range = max_shapes, noise, radius_range
+        self.centre_offset = centre_offset
 
     def __len__(self) -> int:
         return self.length
@@ -89,7 +99,10 @@ class ShapesSegmentation:
         for _ in range(rng.integers(1, self.max_shapes + 1)):
             kind = KINDS[rng.integers(len(KINDS))]
             radius = rng.uniform(*self.radius_range) * s
-            cx, cy = rng.uniform(0.5 * radius, s - 0.5 * radius, 2)
+            if self.centre_offset is None:
+                cx, cy = rng.uniform(0.5 * radius, s - 0.5 * radius, 2)
+            else:  # the same number of draws: the rest of the sample does not depend on the option
+                cx, cy = s / 2 + rng.uniform(-self.centre_offset, self.centre_offset, 2) * s
             angle = rng.uniform(0.0, 2 * math.pi)
             color = rng.uniform(-1.0, 1.0, ch)
             while np.abs(color - base).max() < 0.6:  # keep shapes visible against the background

@@ -112,10 +112,12 @@ class DataSection:
     tokenizer: str | None = None  # HF tokenizer folder (for samples and the exported model); embedded: trained
     tokenizer_vocab_size: int | None = None  # embedded: BPE vocabulary to train; default model.vocab_size
     cache_dir: str = "~/.cache/zoo"  # where the embedded corpus is tokenized once
-    # U-Net families, embedded shapes images: at most this many shapes per image (default 3), and their radius as
-    # [min, max] fractions of the image size (default [0.12, 0.3])
+    # U-Net families, embedded shapes images: at most this many shapes per image (default 3), their radius as
+    # [min, max] fractions of the image size (default [0.12, 0.3]), and their centres at most this fraction of the
+    # image size from the image's centre (0: centred; default anywhere)
     shapes_per_image: int | None = None
     shape_radius: list | None = None
+    shape_offset: float | None = None
 
 
 @dataclass
@@ -275,7 +277,7 @@ def _validate_diffusion_options(cfg: RunConfig) -> None:
         if tr.objective not in ("ddpm", "flow"):
             raise ConfigError(f"training.objective must be ddpm (noise prediction) or flow (flow matching), got "
                               f"{tr.objective!r}")
-    for name in ("shapes_per_image", "shape_radius"):
+    for name in ("shapes_per_image", "shape_radius", "shape_offset"):
         if getattr(data, name) is None:
             continue
         if not family.startswith("unet-") or data.source == "folders":
@@ -290,6 +292,10 @@ def _validate_diffusion_options(cfg: RunConfig) -> None:
                               and 0 < r[0] <= r[1] <= 0.5):
         raise ConfigError(f"data.shape_radius must be [min, max] fractions of the image size with "
                           f"0 < min <= max <= 0.5, e.g. [0.25, 0.45]; got {r!r}")
+    o = data.shape_offset
+    if o is not None and (isinstance(o, bool) or not isinstance(o, (int, float)) or not 0 <= o <= 0.5):
+        raise ConfigError(f"data.shape_offset must be a fraction of the image size in [0, 0.5] (0: shapes centred), "
+                          f"got {o!r}; remove it to place shapes anywhere")
 
 
 def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = None,

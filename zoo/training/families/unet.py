@@ -111,12 +111,15 @@ class NoisedImages:
 
 
 def shapes_options(data) -> dict:
-    """The embedded shapes images' keyword arguments from ``data.shapes_per_image`` / ``data.shape_radius``."""
+    """The embedded shapes images' keyword arguments from ``data.shapes_per_image`` / ``shape_radius`` /
+    ``shape_offset``."""
     options = {}
     if getattr(data, "shapes_per_image", None) is not None:
         options["max_shapes"] = int(data.shapes_per_image)
     if getattr(data, "shape_radius", None) is not None:
         options["radius_range"] = tuple(float(v) for v in data.shape_radius)
+    if getattr(data, "shape_offset", None) is not None:
+        options["centre_offset"] = float(data.shape_offset)
     return options
 
 
