@@ -343,8 +343,6 @@ def test_benchmark_runs_both_models(capsys):
     assert "zoo" in out and "diffusers" in out and "ratio zoo / diffusers" in out
 
 
-# ---- bad input: one error line from launch/train.py's main, before any process group -------------------------
-
 def test_flow_example_trains_on_centred_shapes_of_one_size():
     """configs/unet/diffusion-flow.yaml's data options reach the images the run trains and validates on."""
     from zoo.training.config import load, validate
@@ -357,6 +355,8 @@ def test_flow_example_trains_on_centred_shapes_of_one_size():
             (shape,) = split.images.shapes(i)
             assert (shape.cx, shape.cy, shape.radius) == (16, 16, 0.35 * 32)
 
+
+# ---- bad input: one error line from launch/train.py's main, before any process group -------------------------
 
 def error_line(capsys, argv):
     from zoo.training.train import main

@@ -7,8 +7,8 @@ with ``zoo.data.synthetic``. Nothing is downloaded or stored; a 32x32 sample tak
 An image: a background of a random colour with a linear gradient, then 1..``max_shapes`` filled shapes (circle,
 square, equilateral triangle; random centre, size, rotation, colour clearly apart from the background), painted in
 order so later shapes cover earlier ones, then Gaussian pixel noise; values in [-1, 1], ``[C, H, W]`` float32.
-``centre_offset`` keeps the centres near the image's (0: centred; the diffusion examples use it with one size, which
-a small model learns to draw within a few CPU minutes; anywhere, the default, needs far more training).
+``centre_offset`` keeps the centres near the image's (0: centred; the flow diffusion example uses it with one size,
+which a small model learns to draw within a few CPU minutes; anywhere, the default, needs far more training).
 The mask ``[H, W]`` int64 holds, per pixel, the class of the shape visible there (:data:`CLASSES`; 0 = background).
 A pixel belongs to a shape when its centre ``(x + 0.5, y + 0.5)`` lies inside it.
 """
