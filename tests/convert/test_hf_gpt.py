@@ -208,39 +208,46 @@ def checkpoint_bytes(folder) -> int:
 
 def capped_and_whole(pairs, tp, shares, **kwargs):
     """verify_report of each pair with memory caps of each share of its HF checkpoint's size (0: 1 byte), then
-    without one, and the parameter count of every module ``io.load_model`` filled along the way (capped runs first,
-    then the whole ones)."""
-    from zoo.convert import io
-    from zoo.convert.verify import verify_report
+    without one; the parameter count of every set of tensors ``io.load_tensors`` filled along the way (capped runs
+    first, then the whole ones), and how many vocabulary-sized modules each HF run read from disk. Those weights are
+    read 4 KB of rows at a time, so the tiny models' heads take many blocks (and, at tp 2, a padding block)."""
+    from zoo.convert import io, verify
 
-    real, filled = io.load_model, []
+    real, filled, on_disk = io.load_tensors, [], []
+    real_stream = verify.stream_offloaded_vocab
 
-    def recording(folder, module, *args):
-        filled.append(sum(p.numel() for p in module.parameters()))
-        return real(folder, module, *args)
+    def recording(folder, tensors, *args):
+        filled.append(sum(t.numel() for t in tensors.values()))
+        return real(folder, tensors, *args)
 
-    io.load_model = recording
+    def recording_stream(model):
+        on_disk.append(real_stream(model))
+        return on_disk[-1]
+
+    io.load_tensors, verify.stream_offloaded_vocab, verify.ROW_BLOCK_BYTES = recording, recording_stream, 4096
     try:
-        capped = [[verify_report(hf, zoo, tp, max_memory=max(1, int(share * checkpoint_bytes(hf))), **kwargs)
-                   for share in shares] for hf, zoo in pairs]
+        capped = [[verify.verify_report(hf, zoo, tp, max_memory=max(1, int(share * checkpoint_bytes(hf))),
+                                        **kwargs) for share in shares] for hf, zoo in pairs]
         streamed = list(filled)
         filled.clear()
-        whole = [verify_report(hf, zoo, tp, **kwargs) for hf, zoo in pairs]
+        whole = [verify.verify_report(hf, zoo, tp, **kwargs) for hf, zoo in pairs]
     finally:
-        io.load_model = real
-    return capped, whole, streamed, filled
+        io.load_tensors, verify.stream_offloaded_vocab, verify.ROW_BLOCK_BYTES = real, real_stream, io.COPY_CHUNK_BYTES
+    return capped, whole, streamed, filled, on_disk
 
 
-def check_capped(result, pairs, shares, layers: int):
+def check_capped(result, pairs, shares, layers: int, vocab_modules: int = 2):
     """A capped verify gives the uncapped one's number; accelerate placed the HF modules as the cap allows (all on
-    disk at 1 byte, some on the CPU at 3/4 of the checkpoint), and the zoo side filled one layer at a time."""
-    capped, whole, streamed, filled = result
+    disk at 1 byte, some on the CPU at 3/4 of the checkpoint), at 1 byte the HF embedding and head read their rows
+    from disk, and the zoo side filled one layer at a time (``layers`` fills per capped run)."""
+    capped, whole, streamed, filled, on_disk = result
     for (hf, _), reports, ref in zip(pairs, capped, whole):
         assert ref.max_abs_diff < TOL and ref.hf_device_map is None
         for share, report in zip(shares, reports):
             assert report.max_abs_diff == pytest.approx(ref.max_abs_diff, abs=1e-6), (hf, share)
             devices = set(report.hf_device_map.values())
             assert devices == ({"disk"} if share == 0 else {"cpu", "disk"}), (hf, share, report.hf_device_map)
+    assert on_disk[::len(shares)] == [vocab_modules] * len(pairs), on_disk
     assert len(streamed) == len(pairs) * len(shares) * layers and len(filled) == len(pairs)
     assert max(streamed) < min(filled) / 2, "the zoo side held one layer at a time, never the model"
 
@@ -248,10 +255,40 @@ def check_capped(result, pairs, shares, layers: int):
 def test_verify_with_a_memory_cap_streams_both_sides(hf_dirs, zoo_dirs, dist_run):
     """--max-memory at tp=2: the zoo side one layer at a time, transformers through accelerate's device_map with
     disk offload; the same max |logit diff| as the uncapped verify."""
-    pairs = [(str(hf_dirs["gpt2"]), str(zoo_dirs["gpt2"]))]  # its tied head: the embedding built twice
+    # GPT-2: learned positions, its tied head read from the embedding's table; Llama: RoPE, an untied head.
+    pairs = [(str(hf_dirs[name]), str(zoo_dirs[name])) for name in ("gpt2", "llama-untied")]
     shares = [0, 0.75]
     result = dist_run(2, capped_and_whole, pairs, 2, shares)[0]
-    check_capped(result, pairs, shares, layers=2 + 3)  # embedding, 2 blocks, final norm, head
+    # Filled per run: the embedding's other tensors (GPT-2's position table; its token table: only the batch's
+    # rows), 2 blocks, the final norm; the head reads its rows as it computes.
+    check_capped(result, pairs, shares, layers=1 + 2 + 1)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the peak RSS from /proc (Linux)")
+def test_capped_verify_of_a_gpt2_124m_peaks_below_its_checkpoint_size(tmp_path):
+    """launch/convert.py verify --max-memory 100MB on a GPT-2 124M shape (random, saved by save_pretrained, fp32,
+    498 MB): the process's peak RSS (torch, DeepSpeed, transformers and accelerate loaded) stays below the
+    checkpoint's size, and the check passes. Neither side ever holds the tied 154 MB embedding / LM head."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config()).save_pretrained(tmp_path / "hf")
+    checkpoint = checkpoint_bytes(tmp_path / "hf")
+    hf_to_zoo(tmp_path / "hf", tmp_path / "zoo")
+    # VmHWM, not getrusage's ru_maxrss: that one keeps the peak of the process before its exec (this test's fork).
+    peak = ("import runpy, sys\n"
+            "sys.argv = sys.argv[1:]\n"
+            "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+            "finally:\n    print('peak_rss_kb', next(line.split()[1] for line in open('/proc/self/status')\n"
+            "                                   if line.startswith('VmHWM:')))\n")
+    out = subprocess.run([sys.executable, "-c", peak, str(ROOT / "launch" / "convert.py"), "verify", "--hf",
+                          str(tmp_path / "hf"), "--zoo", str(tmp_path / "zoo"), "--max-memory", "100MB"],
+                         capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    lines = out.stdout.strip().splitlines()
+    assert out.returncode == 0 and re.fullmatch(r"max_abs_diff=(\S+)", lines[-2]), out.stdout + out.stderr
+    assert float(lines[-2].split("=")[1]) < TOL
+    peak_bytes = int(lines[-1].split()[1]) * 1024
+    assert peak_bytes < checkpoint, f"peak RSS {peak_bytes / 1e6:.0f} MB, checkpoint {checkpoint / 1e6:.0f} MB"
 
 
 def test_verify_command_tp3_torchrun(hf_dirs, zoo_dirs):

@@ -289,3 +289,51 @@ def test_large_tensors_are_read_in_chunks_exactly(tmp_path):
         with safe_open(tmp_path / "t.safetensors", "pt") as f:
             one_pass = io._local_slice(f, name, param, rank, tp, 1, 2)
         assert torch.equal(param, expected[name]) and torch.equal(param, one_pass.to(param.dtype)), name
+
+
+def test_row_reader_reads_exactly_the_rows_asked_for(tmp_path):
+    """``RowReader`` (plain file reads, no memory map) returns the stored rows for runs and gaps, each dtype, in a
+    reused buffer or fresh; rows outside the tensor and a truncated file are refused with the tensor named."""
+    from zoo.convert.io import RowReader
+
+    g = torch.Generator().manual_seed(0)
+    full = {"f32": torch.randn(50, 6, generator=g), "bf16": torch.randn(9, 2, 3, generator=g).bfloat16(),
+            "i64": torch.arange(40).reshape(20, 2), "mask": torch.rand(7, 5, generator=g) > 0.5}
+    path = tmp_path / "t.safetensors"
+    save_file(full, path)
+    for key, value in full.items():
+        reader = RowReader(path, key)
+        assert reader.shape == tuple(value.shape) and reader.dtype == value.dtype
+        for rows in ([0], [1, 2, 3, 6], list(range(value.shape[0])), [value.shape[0] - 1], []):
+            got = reader.read(rows)
+            assert got.shape == (len(rows), *value.shape[1:]) and torch.equal(got, value[rows]), (key, rows)
+    reader = RowReader(path, "f32")
+    first = reader.read(range(10, 20), reuse=True).clone()
+    second = reader.read(range(0, 4), reuse=True)  # the same buffer, a shorter view of it
+    assert torch.equal(first, full["f32"][10:20]) and torch.equal(second, full["f32"][:4])
+    with pytest.raises(IndexError, match="outside tensor f32"):
+        reader.read([49, 50])
+    save_file({"f32": full["f32"]}, tmp_path / "one.safetensors")
+    (tmp_path / "cut.safetensors").write_bytes((tmp_path / "one.safetensors").read_bytes()[:-8])
+    with pytest.raises(CheckpointError, match="ends inside tensor f32"):
+        RowReader(tmp_path / "cut.safetensors", "f32").read([49])
+
+
+def test_local_row_blocks_are_the_shard_in_blocks(tmp_path, monkeypatch):
+    """``local_row_blocks`` yields this TP rank's rows of a padded vocabulary in blocks of the asked size (the
+    padding past the stored rows as one block of zeros); together they are the rank's shard of the padded table."""
+    from zoo.convert import io
+    from zoo.parallel.layers import set_tensor_model_parallel_attributes, shard_master_weight
+
+    full = torch.randn(500, 8, generator=torch.Generator().manual_seed(1))
+    write_model_folder(tmp_path / "m", "gpt", {}, iter([("emb", full)]))
+    padded = torch.cat([full, torch.zeros(12, 8)])  # 512 rows over tp 2: rank 1's last 12 are padding
+    for rank in (0, 1):
+        monkeypatch.setattr(io, "group_rank_and_size", lambda group, rank=rank: (rank, 2))
+        param = torch.empty(256, 8, device="meta")
+        set_tensor_model_parallel_attributes(param, 0, 1)
+        param.unpadded_size = 500
+        blocks = [block.clone() for block in  # a block is valid until the next one
+                  io.local_row_blocks(tmp_path / "m", "emb", param, None, block_bytes=10 * 8 * 4)]
+        assert max(len(b) for b in blocks) >= 10 and all(len(b) <= 10 for b in blocks if b.any())  # padding: 1
+        assert torch.equal(torch.cat(blocks), shard_master_weight(padded, 0, rank, 2)), rank

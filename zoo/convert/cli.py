@@ -25,8 +25,9 @@ huggingface_hub's cache (cache only when HF_HUB_OFFLINE=1). Only safetensors are
 2; verify prints ``max_abs_diff=<float>`` as its last line (for MoE GPTs after ``router_topk_agreement=<float>``, the
 fraction of the routers' top-k choices zoo and transformers share) and exits 1 when that exceeds ``--tol``.
 ``--max-memory SIZE`` (GPT, BERT; pp 1) checks without either model whole in memory: zoo's side runs one layer at a
-time, transformers' side loads through accelerate's big-model path (``zoo.convert.verify.hf_loading``); a line
-before the verdict says where accelerate put the HF modules.
+time, transformers' side loads through accelerate's big-model path (``zoo.convert.verify.hf_loading``), and the
+embedding and LM head read their rows from disk as they need them; a line before the verdict says where accelerate
+put the HF modules.
 """
 
 from __future__ import annotations

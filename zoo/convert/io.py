@@ -21,6 +21,7 @@ resident until the file closes, and would hold the tensor twice.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
@@ -123,6 +124,7 @@ SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16:
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
                       torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
                       **{getattr(torch, f"uint{b}"): f"U{b}" for b in (16, 32, 64) if hasattr(torch, f"uint{b}")}}
+_TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 COPY_CHUNK_BYTES = 16 * 1024**2
 
 
@@ -571,6 +573,86 @@ def _read_in_chunks(path: Path, key: str, param: torch.Tensor, tp_rank: int, tp:
                 dest[a:a + step].copy_(f.get_slice(key)[(rows, *index[1:])])
 
 
+def local_row_blocks(folder: str | os.PathLike, key: str, param: torch.Tensor, tp_group=None,
+                     block_bytes: int = COPY_CHUNK_BYTES) -> Iterator[torch.Tensor]:
+    """This rank's rows of stored tensor ``key``, as ``param`` (a vocabulary-sized weight split along its rows, or
+    not split; it may live on the meta device) holds them, ``block_bytes`` of rows at a time (:class:`RowReader`);
+    padding rows come as zeros. A forward can run a layer too large for memory block by block
+    (``zoo.convert.verify``'s streamed LM head). Each block is valid until the next one is asked for: they share
+    one buffer."""
+    folder = Path(folder)
+    reader = RowReader(folder / weight_map(folder)[key], key)
+    dim, pieces = _local_pieces(key, reader.shape, param, *group_rank_and_size(tp_group))
+    if dim != 0:
+        raise ValueError(f"tensor {key} is split along dim {dim}; row blocks need a row split")
+    step = max(1, block_bytes // reader.row_bytes)
+    for index, size in pieces:
+        if index is None:
+            yield torch.zeros((size, *param.shape[1:]), dtype=param.dtype)
+            continue
+        first = range(reader.shape[0])[index[0] if isinstance(index, tuple) else index]
+        for a in range(0, len(first), step):
+            rows = range(first.start + a, first.start + min(a + step, len(first)))
+            yield reader.read(rows, reuse=True).to(param.dtype)
+
+
+def read_rows(folder: str | os.PathLike, key: str, rows) -> torch.Tensor:
+    """Rows ``rows`` (ascending) of tensor ``key`` of a zoo model folder (:class:`RowReader`)."""
+    folder = Path(folder)
+    return RowReader(folder / weight_map(folder)[key], key).read(rows)
+
+
+class RowReader:
+    """Rows of one tensor of a safetensors file, read with plain file reads, one per run of consecutive rows: only
+    those bytes, and no memory map. (Through a map, every row touched also brings the page-cache folio around it
+    into this process's RSS: up to megabytes per row of an embedding table looked up at random ids.)"""
+
+    def __init__(self, path: str | os.PathLike, key: str):
+        self.path, self.key = Path(path), key
+        with open(self.path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            info = json.loads(f.read(header_len))[key]
+        self.dtype, self.shape = _TORCH_DTYPES[info["dtype"]], tuple(info["shape"])
+        if not self.shape:
+            raise ValueError(f"tensor {key} of {path} is a scalar; it has no rows")
+        self.row_bytes = math.prod(self.shape[1:]) * self.dtype.itemsize
+        self.offset = 8 + header_len + info["data_offsets"][0]
+        self._buffer = bytearray()
+
+    def read(self, rows, reuse: bool = False) -> torch.Tensor:
+        """Rows ``rows`` (ascending ints), ``[len(rows), ...]`` in the stored dtype. ``reuse``: read into a buffer
+        this reader keeps and return a view of it, valid until the next ``reuse`` read (a loop over blocks then
+        holds one block: fresh blocks freed between small allocations fragment the heap, and it grows)."""
+        rows = list(rows)
+        size = len(rows) * self.row_bytes
+        if reuse and len(self._buffer) < size:
+            self._buffer = None
+            self._buffer = bytearray(size)
+        data = self._buffer if reuse else bytearray(size)
+        if not rows:
+            return torch.empty((0, *self.shape[1:]), dtype=self.dtype)
+        view = memoryview(data)
+        with open(self.path, "rb", buffering=0) as f:
+            i = 0
+            while i < len(rows):
+                j = i + 1
+                while j < len(rows) and rows[j] == rows[j - 1] + 1:
+                    j += 1
+                if rows[i] < 0 or rows[j - 1] >= self.shape[0]:
+                    raise IndexError(f"rows {rows[i]}..{rows[j - 1]} outside tensor {self.key} of shape {self.shape}")
+                f.seek(self.offset + rows[i] * self.row_bytes)
+                done, want = i * self.row_bytes, j * self.row_bytes
+                while done < want:  # a read may return less than asked
+                    got = f.readinto(view[done:want])
+                    if not got:
+                        raise CheckpointError(f"{self.path} ends inside tensor {self.key}; the file is truncated")
+                    done += got
+                i = j
+        view.release()
+        return torch.frombuffer(data, dtype=self.dtype, count=size // self.dtype.itemsize).view(len(rows),
+                                                                                              *self.shape[1:])
+
+
 def load_model(folder: str | os.PathLike, module: torch.nn.Module, tp_group=None, ep_group=None) -> None:
     """Fill ``module``'s parameters and persistent buffers (this rank's shards and experts, this stage's layers)
     from a zoo model folder.
@@ -578,11 +660,15 @@ def load_model(folder: str | os.PathLike, module: torch.nn.Module, tp_group=None
     Call it on the built module before ``deepspeed.initialize``. Every tensor must be in the folder with the
     right full shape; tensors of other pipeline stages, and experts of other expert-parallel ranks, are not read.
     """
+    load_tensors(folder, model_tensors(module), tp_group, ep_group)
+
+
+def load_tensors(folder: str | os.PathLike, params: dict[str, torch.Tensor], tp_group=None, ep_group=None) -> None:
+    """:func:`load_model` for the tensors of ``params`` (name in the folder -> this rank's tensor to fill)."""
     folder = Path(folder)
     mapping = weight_map(folder)
     tp_rank, tp = group_rank_and_size(tp_group)
     ep_rank, ep = group_rank_and_size(ep_group)
-    params = model_tensors(module)
     missing = sorted(set(params) - set(mapping))
     if missing:
         raise CheckpointError(f"{folder} lacks {len(missing)} tensor(s) this model needs, e.g. {missing[:3]}; "

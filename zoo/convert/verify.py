@@ -14,7 +14,11 @@ With a memory cap (``max_memory``, GPT and BERT at pp 1) neither side holds its 
 filled from the folder and run one at a time (:func:`streamed_forward`; tensors larger than 16 MB are read a few
 rows per open of the file, ``io.load_model``), and transformers loads through accelerate's big-model path
 (``device_map="auto"``, at most ``max_memory`` of weights kept on the CPU, the rest offloaded to disk and brought in
-module by module during the forward). The logits are the same as without the cap.
+module by module during the forward). Neither side holds a vocabulary-sized matrix either (for a ~100M model the
+largest tensor by far: GPT-2's tied 154 MB embedding and head): a GPT's zoo embedding is built for the batch's
+distinct ids only (:func:`streamed_gpt_embedding`) and its LM head multiplies by 16 MB of rows at a time
+(:func:`streamed_lm_head`), and the offloaded HF embedding and head are swapped for modules that read those rows
+from the safetensors file (:func:`stream_offloaded_vocab`). The logits are the same as without the cap.
 
 Mixture-of-experts GPTs (``ep`` > 1 splits each MoE layer's experts over expert-parallel groups of data-parallel
 ranks) are also compared by their routing: forward hooks record the experts each token chose, at every zoo router
@@ -35,9 +39,10 @@ from __future__ import annotations
 
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 
 from zoo.convert import hf_bert, io
 from zoo.convert.hf_gpt import (
@@ -51,7 +56,10 @@ from zoo.convert.hf_gpt import (
 from zoo.models.bert import BertConfig
 from zoo.models.gpt import GPTConfig, GPTLoss, ParallelOptions, layer_specs
 from zoo.parallel.shards import gather_objects, global_rank
-from zoo.parallel.topology import initialize_model_parallel
+from zoo.parallel.topology import group_rank_and_size, initialize_model_parallel
+
+# With a memory cap, vocabulary-sized weights (embedding tables, LM heads) are read this many bytes of rows at a time.
+ROW_BLOCK_BYTES = io.COPY_CHUNK_BYTES
 
 # Fields that make two GPTs different models (others, e.g. eps or RoPE settings, show up as a logit difference).
 STRUCTURE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -167,13 +175,14 @@ def merge_zoo_routing(parts: list) -> dict:
     return out
 
 
-def streamed_forward(specs: list, zoo, inputs, tp_group=None, ep_group=None, device="cpu", on_layer=None):
-    """The layers of ``specs`` in one process (pp 1), each built, filled from the zoo folder, run and freed before
-    the next is built, so the forward holds one layer's weights at a time (``--max-memory``). ``on_layer(layer)``
-    may return hook handles, removed after the layer ran."""
+def streamed_forward(specs: list, zoo, inputs, tp_group=None, ep_group=None, device="cpu", on_layer=None,
+                     layers: range | None = None):
+    """The layers of ``specs`` (or those of ``layers``) in one process (pp 1), each built, filled from the zoo
+    folder, run and freed before the next is built, so the forward holds one layer's weights at a time
+    (``--max-memory``). ``on_layer(layer)`` may return hook handles, removed after the layer ran."""
     from zoo.models.specs import SpecSequential
 
-    for idx in range(len(specs)):
+    for idx in layers if layers is not None else range(len(specs)):
         layer = SpecSequential(specs, only=idx)  # named as in the whole model: load_model finds its tensors
         io.load_model(zoo, layer, tp_group, ep_group)
         layer.to(device).eval()
@@ -184,6 +193,48 @@ def streamed_forward(specs: list, zoo, inputs, tp_group=None, ep_group=None, dev
             handle.remove()
         del layer
     return inputs
+
+
+def _vocab_weight(tensors: dict) -> tuple[str, torch.Tensor]:
+    """The vocabulary-sized weight (the one padded past ``vocab_size``) among a layer's tensors."""
+    return next((name, t) for name, t in tensors.items() if getattr(t, "unpadded_size", None) is not None)
+
+
+def streamed_gpt_embedding(zoo, cfg: GPTConfig, par: ParallelOptions, ids: torch.Tensor, device="cpu"):
+    """The embedding layer's output for ``ids`` without its ``[vocab, hidden]`` table in memory: the layer is built
+    for a vocabulary of just the batch's distinct ids (ascending), holds their rows of the folder's table (this TP
+    rank its share of them), and runs on the ids renumbered into it; everything else (position embeddings) is the
+    folder's. The same hidden states as the whole layer."""
+    from zoo.models.specs import SpecSequential
+
+    present, renumbered = torch.unique(ids, return_inverse=True)
+    layer = SpecSequential(layer_specs(replace(cfg, vocab_size=len(present)), par), only=0)
+    tensors = io.model_tensors(layer)
+    key, table = _vocab_weight(tensors)
+    rows = io.read_rows(zoo, key, present.tolist())
+    start = group_rank_and_size(par.tp_group)[0] * table.shape[0]  # this rank's rows of the small table
+    with torch.no_grad():
+        table.zero_()
+        mine = rows[start:start + table.shape[0]]
+        table[:len(mine)] = mine
+    io.load_tensors(zoo, {name: t for name, t in tensors.items() if name != key}, par.tp_group)
+    layer.to(device).eval()
+    with torch.no_grad():
+        return layer(renumbered.to(device))
+
+
+def streamed_lm_head(specs: list, zoo, hidden: torch.Tensor, tp_group=None, device="cpu") -> torch.Tensor:
+    """The last layer of ``specs`` (the LM head, tied or not: ``hidden @ W.T`` with this TP rank's ``[V/tp, h]``
+    share of W) computed a block of W's rows at a time, each read from the folder as it is needed
+    (:func:`zoo.convert.io.local_row_blocks`): vocab-sharded logits ``[b, s, V/tp]`` without W in memory."""
+    from zoo.models.specs import SpecSequential
+
+    with torch.device("meta"):  # for the weight's name, shape and split only
+        layer = SpecSequential(specs, only=len(specs) - 1)
+    key, weight = _vocab_weight(io.model_tensors(layer))
+    with torch.no_grad():
+        return torch.cat([F.linear(hidden, block.to(device))
+                          for block in io.local_row_blocks(zoo, key, weight, tp_group, ROW_BLOCK_BYTES)], dim=-1)
 
 
 def zoo_logits(zoo, cfg: GPTConfig, tp: int, pp: int, ids: torch.Tensor, ep: int = 1, routing: dict | None = None,
@@ -206,8 +257,12 @@ def zoo_logits(zoo, cfg: GPTConfig, tp: int, pp: int, ids: torch.Tensor, ep: int
     def record(module):  # hooks on the MoE routers of what runs next
         return record_zoo_routing(module, ids.numel(), chosen)[1] if cfg.num_experts else []
 
-    if stream:
-        out = streamed_forward(specs, zoo, ids.to(device), grid.tp_group, ep_group, device, on_layer=record)
+    if stream:  # the vocabulary-sized embedding and LM head never whole in memory either
+        par = ParallelOptions(tp_group=grid.tp_group, ep_group=ep_group)
+        out = streamed_gpt_embedding(zoo, cfg, par, ids, device)
+        out = streamed_forward(specs, zoo, out, grid.tp_group, ep_group, device, on_layer=record,
+                               layers=range(1, len(specs) - 1))
+        out = streamed_lm_head(specs, zoo, out, grid.tp_group, device)
     else:
         module = build_pipeline(specs, grid, loss_fn=GPTLoss(cfg, grid.tp_group)) if pp > 1 else SpecSequential(specs)
         io.load_model(zoo, module, grid.tp_group, ep_group)  # this rank's slices, this EP rank's experts
@@ -255,7 +310,78 @@ def hf_logits(folder, ids: torch.Tensor, *, allow_pickle: bool = False, routing:
                                                      trust_remote_code=False, **loading).eval()
         if device_map is not None:  # transformers keeps no map when everything fits on the CPU
             device_map.update(getattr(model, "hf_device_map", None) or {"": "cpu"})
+        if max_memory is not None:
+            stream_offloaded_vocab(model)
         return _causal_lm_logits(model, ids, routing)
+
+
+class RowBlockLinear(torch.nn.Module):
+    """``F.linear`` with a weight that stays on disk: the forward reads a block of its rows at a time
+    (``read_rows(range)``, which may return a view of a buffer it reuses) and concatenates the blocks' outputs."""
+
+    def __init__(self, read_rows, out_features: int, in_features: int, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.read_rows, self.out_features, self.bias = read_rows, out_features, bias
+        self.step = max(1, ROW_BLOCK_BYTES // (4 * in_features))
+
+    def forward(self, x):
+        outs = []
+        for a in range(0, self.out_features, self.step):
+            rows = range(a, min(a + self.step, self.out_features))
+            outs.append(F.linear(x, self.read_rows(rows).to(x.dtype),
+                                 None if self.bias is None else self.bias[a:rows.stop].to(x.dtype)))
+        return torch.cat(outs, dim=-1)
+
+
+class RowReadEmbedding(torch.nn.Module):
+    """An embedding lookup whose table stays on disk: the forward reads the rows of the distinct ids it is given
+    (``read_rows(ids)``) and looks the ids up in them."""
+
+    def __init__(self, read_rows):
+        super().__init__()
+        self.read_rows = read_rows
+
+    def forward(self, ids):
+        present, renumbered = torch.unique(ids, return_inverse=True)
+        return F.embedding(renumbered, self.read_rows(present.tolist()))
+
+
+def stream_offloaded_vocab(model) -> int:
+    """Run an HF model's vocabulary-sized modules, its input embedding (a plain ``nn.Embedding``) and its output
+    embedding (the LM / MLM head, an ``nn.Linear``), from disk where accelerate offloaded them to a safetensors file:
+    the embedding reads the rows of the ids it looks up, the head a block of rows at a time
+    (:class:`zoo.convert.io.RowReader`). Accelerate's hooks would bring the whole ``[vocab, hidden]`` matrix in
+    for each (GPT-2's 154 MB), more than the rest of the model needs at any time. Where the module was kept in memory
+    or offloaded to accelerate's own folder it stays as it is. Returns how many modules now read from disk."""
+    from accelerate.hooks import remove_hook_from_module
+
+    replaced = 0
+    for module, kind in ((model.get_input_embeddings(), torch.nn.Embedding),
+                         (model.get_output_embeddings(), torch.nn.Linear)):
+        if type(module) is not kind or module.weight.device.type != "meta" \
+                or getattr(module, "max_norm", None) is not None:
+            continue
+        weights = getattr(getattr(module, "_hf_hook", None), "weights_map", None)
+        loader, prefix = getattr(weights, "dataset", weights), getattr(weights, "prefix", "")
+        entry = getattr(loader, "index", {}).get(prefix + "weight", {})
+        if entry.get("safetensors_file") is None or prefix + "weight" in (getattr(loader, "state_dict", None) or {}):
+            continue
+        dtype = getattr(torch, entry.get("dtype", "float32"))
+        reader = io.RowReader(entry["safetensors_file"], entry.get("weight_name", prefix + "weight"))
+        if kind is torch.nn.Embedding:
+            streamed = RowReadEmbedding(lambda rows, reader=reader, dtype=dtype: reader.read(rows).to(dtype))
+        else:
+            try:
+                bias = None if module.bias is None else weights["bias"].to(dtype).clone()
+            except KeyError:
+                continue
+            streamed = RowBlockLinear(lambda rows, reader=reader, dtype=dtype: reader.read(rows, reuse=True).to(dtype),
+                                      module.out_features, module.in_features, bias)
+        remove_hook_from_module(module)
+        parent, _, attr = next(n for n, m in model.named_modules() if m is module).rpartition(".")
+        setattr(model.get_submodule(parent), attr, streamed)
+        replaced += 1
+    return replaced
 
 
 def _causal_lm_logits(model, ids: torch.Tensor, routing: dict | None) -> torch.Tensor:
@@ -485,6 +611,8 @@ def hf_bert_outputs(folder, arch: str, inputs, *, allow_pickle: bool = False, ma
                                                             **loading).eval()
         if device_map is not None:
             device_map.update(getattr(model, "hf_device_map", None) or {"": "cpu"})
+        if max_memory is not None:
+            stream_offloaded_vocab(model)
         return _bert_outputs(model, arch, inputs)
 
 
