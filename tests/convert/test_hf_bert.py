@@ -203,18 +203,22 @@ def test_verify_every_layout(hf_dirs, zoo_dirs, dist_run):
 
 
 def test_verify_with_a_memory_cap_streams_both_sides(hf_dirs, zoo_dirs, dist_run):
-    """--max-memory at tp=2 for BERT's two-output head (MLM + NSP): the uncapped number, HF through accelerate's
-    device_map, the zoo side one layer at a time."""
+    """--max-memory at tp=2 for every head: the uncapped number, HF through accelerate's device_map, the zoo side one
+    layer at a time. With an MLM head (MLM + NSP here) the tied decoder reads the embedding's rows as it computes
+    and is never filled, and HF's embedding and decoder both read theirs from disk; without one, only the
+    embeddings do."""
     from tests.convert.test_hf_gpt import capped_and_whole, check_capped
     from zoo.convert.hf_bert import zoo_bert_config
     from zoo.models.bert import layer_specs
     from zoo.models.gpt import ParallelOptions
 
-    pairs = [(str(hf_dirs["pretraining"]), str(zoo_dirs["pretraining"]))]
-    _, cfg, head = zoo_bert_config(zoo_dirs["pretraining"])
     shares = [0, 0.75]
-    result = dist_run(2, capped_and_whole, pairs, 2, shares, batch=3, seq=24)[0]
-    check_capped(result, pairs, shares, layers=len(layer_specs(cfg, ParallelOptions(), head)))
+    for names, decoder in ((["pretraining"], True), (["cls", "sentence"], False)):
+        pairs = [(str(hf_dirs[n]), str(zoo_dirs[n])) for n in names]
+        (layers,) = {len(layer_specs(cfg, ParallelOptions(), head))
+                     for _, cfg, head in (zoo_bert_config(zoo_dirs[n]) for n in names)}
+        result = dist_run(2, capped_and_whole, pairs, 2, shares, batch=3, seq=24)[0]
+        check_capped(result, pairs, shares, layers=layers - decoder, vocab_modules=1 + decoder)
 
 
 def test_verify_notices_a_wrong_weight(hf_dirs, zoo_dirs, tmp_path, dist_run):

@@ -15,10 +15,11 @@ filled from the folder and run one at a time (:func:`streamed_forward`; tensors 
 rows per open of the file, ``io.load_model``), and transformers loads through accelerate's big-model path
 (``device_map="auto"``, at most ``max_memory`` of weights kept on the CPU, the rest offloaded to disk and brought in
 module by module during the forward). Neither side holds a vocabulary-sized matrix either (for a ~100M model the
-largest tensor by far: GPT-2's tied 154 MB embedding and head): a GPT's zoo embedding is built for the batch's
-distinct ids only (:func:`streamed_gpt_embedding`) and its LM head multiplies by 16 MB of rows at a time
-(:func:`streamed_lm_head`), and the offloaded HF embedding and head are swapped for modules that read those rows
-from the safetensors file (:func:`stream_offloaded_vocab`). The logits are the same as without the cap.
+largest tensor by far: GPT-2's tied 154 MB embedding and head): zoo's embedding (GPT, BERT) is built for the
+batch's distinct ids only (:func:`streamed_embedding`), its LM head or tied MLM decoder multiplies by 16 MB of rows
+at a time (:func:`streamed_vocab_linear`), and the offloaded HF embedding and head are swapped for modules that
+read those rows from the safetensors file (:func:`stream_offloaded_vocab`). The logits are the same as without the
+cap.
 
 Mixture-of-experts GPTs (``ep`` > 1 splits each MoE layer's experts over expert-parallel groups of data-parallel
 ranks) are also compared by their routing: forward hooks record the experts each token chose, at every zoo router
@@ -200,37 +201,39 @@ def _vocab_weight(tensors: dict) -> tuple[str, torch.Tensor]:
     return next((name, t) for name, t in tensors.items() if getattr(t, "unpadded_size", None) is not None)
 
 
-def streamed_gpt_embedding(zoo, cfg: GPTConfig, par: ParallelOptions, ids: torch.Tensor, device="cpu"):
-    """The embedding layer's output for ``ids`` without its ``[vocab, hidden]`` table in memory: the layer is built
-    for a vocabulary of just the batch's distinct ids (ascending), holds their rows of the folder's table (this TP
-    rank its share of them), and runs on the ids renumbered into it; everything else (position embeddings) is the
-    folder's. The same hidden states as the whole layer."""
+def streamed_embedding(zoo, small_specs: list, present: torch.Tensor, inputs, tp_group=None, device="cpu"):
+    """An embedding layer's output without its ``[vocab, hidden]`` table in memory. ``small_specs``: the model's
+    specs for a vocabulary of just the batch's distinct ids ``present`` (ascending; ``torch.unique``); its layer 0
+    (the embedding) is built, holds their rows of the folder's table (this TP rank its share of them) and the
+    folder's other tensors (position and token-type tables, norm), and runs on ``inputs``, whose ids are renumbered
+    into ``present``. The same output as the whole layer on the original ids."""
     from zoo.models.specs import SpecSequential
 
-    present, renumbered = torch.unique(ids, return_inverse=True)
-    layer = SpecSequential(layer_specs(replace(cfg, vocab_size=len(present)), par), only=0)
+    layer = SpecSequential(small_specs, only=0)
     tensors = io.model_tensors(layer)
     key, table = _vocab_weight(tensors)
     rows = io.read_rows(zoo, key, present.tolist())
-    start = group_rank_and_size(par.tp_group)[0] * table.shape[0]  # this rank's rows of the small table
+    start = group_rank_and_size(tp_group)[0] * table.shape[0]  # this rank's rows of the small table
     with torch.no_grad():
         table.zero_()
         mine = rows[start:start + table.shape[0]]
         table[:len(mine)] = mine
-    io.load_tensors(zoo, {name: t for name, t in tensors.items() if name != key}, par.tp_group)
+    io.load_tensors(zoo, {name: t for name, t in tensors.items() if name != key}, tp_group)
     layer.to(device).eval()
     with torch.no_grad():
-        return layer(renumbered.to(device))
+        return layer(inputs)
 
 
-def streamed_lm_head(specs: list, zoo, hidden: torch.Tensor, tp_group=None, device="cpu") -> torch.Tensor:
-    """The last layer of ``specs`` (the LM head, tied or not: ``hidden @ W.T`` with this TP rank's ``[V/tp, h]``
-    share of W) computed a block of W's rows at a time, each read from the folder as it is needed
-    (:func:`zoo.convert.io.local_row_blocks`): vocab-sharded logits ``[b, s, V/tp]`` without W in memory."""
+def streamed_vocab_linear(specs: list, idx: int, zoo, hidden: torch.Tensor, tp_group=None,
+                          device="cpu") -> torch.Tensor:
+    """``hidden @ W.T`` for the vocabulary-sized weight W of layer ``idx`` (an LM head or tied decoder; this TP
+    rank's ``[V/tp, h]`` share) a block of W's rows at a time, each read from the folder as it is needed
+    (:func:`zoo.convert.io.local_row_blocks`): vocab-sharded logits ``[b, s, V/tp]`` without W in memory. As the
+    layer itself computes them where its input is TP-replicated (no sequence parallelism, no bias)."""
     from zoo.models.specs import SpecSequential
 
     with torch.device("meta"):  # for the weight's name, shape and split only
-        layer = SpecSequential(specs, only=len(specs) - 1)
+        layer = SpecSequential(specs, only=idx)
     key, weight = _vocab_weight(io.model_tensors(layer))
     with torch.no_grad():
         return torch.cat([F.linear(hidden, block.to(device))
@@ -258,11 +261,12 @@ def zoo_logits(zoo, cfg: GPTConfig, tp: int, pp: int, ids: torch.Tensor, ep: int
         return record_zoo_routing(module, ids.numel(), chosen)[1] if cfg.num_experts else []
 
     if stream:  # the vocabulary-sized embedding and LM head never whole in memory either
-        par = ParallelOptions(tp_group=grid.tp_group, ep_group=ep_group)
-        out = streamed_gpt_embedding(zoo, cfg, par, ids, device)
+        present, renumbered = torch.unique(ids, return_inverse=True)
+        small = layer_specs(replace(cfg, vocab_size=len(present)), ParallelOptions(tp_group=grid.tp_group))
+        out = streamed_embedding(zoo, small, present, renumbered.to(device), grid.tp_group, device)
         out = streamed_forward(specs, zoo, out, grid.tp_group, ep_group, device, on_layer=record,
                                layers=range(1, len(specs) - 1))
-        out = streamed_lm_head(specs, zoo, out, grid.tp_group, device)
+        out = streamed_vocab_linear(specs, len(specs) - 1, zoo, out, grid.tp_group, device)
     else:
         module = build_pipeline(specs, grid, loss_fn=GPTLoss(cfg, grid.tp_group)) if pp > 1 else SpecSequential(specs)
         io.load_model(zoo, module, grid.tp_group, ep_group)  # this rank's slices, this EP rank's experts
@@ -577,8 +581,17 @@ def zoo_bert_outputs(zoo, cfg: BertConfig, head: str | None, tp: int, pp: int, i
     grid = initialize_model_parallel(tp, pp)
     specs = bert_layer_specs(cfg, ParallelOptions(tp_group=grid.tp_group), head)
     inputs = tuple(t.to(device) for t in inputs)
-    if stream:
-        out = streamed_forward(specs, zoo, inputs, grid.tp_group, device=device)
+    if stream:  # as the GPT's: the word embeddings and the tied decoder never whole in memory
+        present, renumbered = torch.unique(inputs[0], return_inverse=True)
+        small = bert_layer_specs(replace(cfg, vocab_size=len(present)), ParallelOptions(tp_group=grid.tp_group), head)
+        out = streamed_embedding(zoo, small, present, (renumbered, *inputs[1:]), grid.tp_group, device)
+        decoder = len(specs) - 2 if head in ("mlm", "mlm+nsp") else None  # then BertMLMBias, the last layer
+        out = streamed_forward(specs, zoo, out, grid.tp_group, device=device, layers=range(1, decoder or len(specs)))
+        if decoder is not None:
+            x, *rest = out if isinstance(out, tuple) else (out,)
+            out = streamed_vocab_linear(specs, decoder, zoo, x, grid.tp_group, device)
+            out = streamed_forward(specs, zoo, (out, *rest) if rest else out, grid.tp_group, device=device,
+                                   layers=range(decoder + 1, len(specs)))
     else:
         # No stage boundary inside the MLM head: stages split at BertLayers (zoo/models/bert.py).
         module = build_pipeline(specs, grid, loss_fn=None, partition_method="type:BertLayer") if pp > 1 \
