@@ -214,7 +214,7 @@ def capped_and_whole(pairs, tp, shares, **kwargs):
     from zoo.convert import io, verify
 
     real, filled, on_disk = io.load_tensors, [], []
-    real_stream = verify.stream_offloaded_vocab
+    real_stream, block_bytes = verify.stream_offloaded_vocab, verify.ROW_BLOCK_BYTES
 
     def recording(folder, tensors, *args):
         filled.append(sum(t.numel() for t in tensors.values()))
@@ -232,7 +232,7 @@ def capped_and_whole(pairs, tp, shares, **kwargs):
         filled.clear()
         whole = [verify.verify_report(hf, zoo, tp, **kwargs) for hf, zoo in pairs]
     finally:
-        io.load_tensors, verify.stream_offloaded_vocab, verify.ROW_BLOCK_BYTES = real, real_stream, io.COPY_CHUNK_BYTES
+        io.load_tensors, verify.stream_offloaded_vocab, verify.ROW_BLOCK_BYTES = real, real_stream, block_bytes
     return capped, whole, streamed, filled, on_disk
 
 

@@ -619,6 +619,10 @@ class RowReader:
         self.offset = 8 + header_len + info["data_offsets"][0]
         self._buffer = bytearray()
 
+    def release(self) -> None:
+        """Drop the buffer ``reuse`` reads fill (views of it keep it alive until they go)."""
+        self._buffer = bytearray()
+
     def read(self, rows, reuse: bool = False) -> torch.Tensor:
         """Rows ``rows`` (ascending ints), ``[len(rows), ...]`` in the stored dtype. ``reuse``: read into a buffer
         this reader keeps and return a view of it, valid until the next ``reuse`` read (a loop over blocks then

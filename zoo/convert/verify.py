@@ -16,7 +16,7 @@ rows per open of the file, ``io.load_model``), and transformers loads through ac
 (``device_map="auto"``, at most ``max_memory`` of weights kept on the CPU, the rest offloaded to disk and brought in
 module by module during the forward). Neither side holds a vocabulary-sized matrix either (for a ~100M model the
 largest tensor by far: GPT-2's tied 154 MB embedding and head): zoo's embedding (GPT, BERT) is built for the
-batch's distinct ids only (:func:`streamed_embedding`), its LM head or tied MLM decoder multiplies by 16 MB of rows
+batch's distinct ids only (:func:`streamed_embedding`), its LM head or tied MLM decoder multiplies by 4 MB of rows
 at a time (:func:`streamed_vocab_linear`), and the offloaded HF embedding and head are swapped for modules that
 read those rows from the safetensors file (:func:`stream_offloaded_vocab`). The logits are the same as without the
 cap.
@@ -59,8 +59,8 @@ from zoo.models.gpt import GPTConfig, GPTLoss, ParallelOptions, layer_specs
 from zoo.parallel.shards import gather_objects, global_rank
 from zoo.parallel.topology import group_rank_and_size, initialize_model_parallel
 
-# With a memory cap, vocabulary-sized weights (embedding tables, LM heads) are read this many bytes of rows at a time.
-ROW_BLOCK_BYTES = io.COPY_CHUNK_BYTES
+# With a memory cap, vocabulary-sized weights (LM heads, tied decoders) are read this many bytes of rows at a time.
+ROW_BLOCK_BYTES = 4 * 1024**2
 
 # Fields that make two GPTs different models (others, e.g. eps or RoPE settings, show up as a logit difference).
 STRUCTURE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -320,20 +320,24 @@ def hf_logits(folder, ids: torch.Tensor, *, allow_pickle: bool = False, routing:
 
 
 class RowBlockLinear(torch.nn.Module):
-    """``F.linear`` with a weight that stays on disk: the forward reads a block of its rows at a time
-    (``read_rows(range)``, which may return a view of a buffer it reuses) and concatenates the blocks' outputs."""
+    """``F.linear`` with a weight that stays on disk: the forward reads a block of its rows at a time into one
+    buffer (``reader``, an :class:`zoo.convert.io.RowReader`, converting to ``dtype``), concatenates the blocks'
+    outputs and drops the buffer."""
 
-    def __init__(self, read_rows, out_features: int, in_features: int, bias: torch.Tensor | None = None):
+    def __init__(self, reader, dtype: torch.dtype, out_features: int, in_features: int,
+                 bias: torch.Tensor | None = None):
         super().__init__()
-        self.read_rows, self.out_features, self.bias = read_rows, out_features, bias
+        self.reader, self.dtype, self.out_features, self.bias = reader, dtype, out_features, bias
         self.step = max(1, ROW_BLOCK_BYTES // (4 * in_features))
 
     def forward(self, x):
         outs = []
         for a in range(0, self.out_features, self.step):
             rows = range(a, min(a + self.step, self.out_features))
-            outs.append(F.linear(x, self.read_rows(rows).to(x.dtype),
-                                 None if self.bias is None else self.bias[a:rows.stop].to(x.dtype)))
+            weight = self.reader.read(rows, reuse=True).to(self.dtype).to(x.dtype)
+            outs.append(F.linear(x, weight, None if self.bias is None else self.bias[a:rows.stop].to(x.dtype)))
+            del weight
+        self.reader.release()  # the model may live on in reference cycles; its buffer need not
         return torch.cat(outs, dim=-1)
 
 
@@ -379,8 +383,7 @@ def stream_offloaded_vocab(model) -> int:
                 bias = None if module.bias is None else weights["bias"].to(dtype).clone()
             except KeyError:
                 continue
-            streamed = RowBlockLinear(lambda rows, reader=reader, dtype=dtype: reader.read(rows, reuse=True).to(dtype),
-                                      module.out_features, module.in_features, bias)
+            streamed = RowBlockLinear(reader, dtype, module.out_features, module.in_features, bias)
         remove_hook_from_module(module)
         parent, _, attr = next(n for n, m in model.named_modules() if m is module).rpartition(".")
         setattr(model.get_submodule(parent), attr, streamed)
