@@ -321,22 +321,20 @@ def hf_logits(folder, ids: torch.Tensor, *, allow_pickle: bool = False, routing:
 
 class RowBlockLinear(torch.nn.Module):
     """``F.linear`` with a weight that stays on disk: the forward reads a block of its rows at a time into one
-    buffer (``reader``, an :class:`zoo.convert.io.RowReader`, converting to ``dtype``), concatenates the blocks'
-    outputs and drops the buffer."""
+    buffer (``reader``, an :class:`zoo.convert.io.RowReader`), concatenates the blocks' outputs and drops the
+    buffer."""
 
-    def __init__(self, reader, dtype: torch.dtype, out_features: int, in_features: int,
-                 bias: torch.Tensor | None = None):
+    def __init__(self, reader, out_features: int, in_features: int, bias: torch.Tensor | None = None):
         super().__init__()
-        self.reader, self.dtype, self.out_features, self.bias = reader, dtype, out_features, bias
+        self.reader, self.out_features, self.bias = reader, out_features, bias
         self.step = max(1, ROW_BLOCK_BYTES // (4 * in_features))
 
     def forward(self, x):
         outs = []
         for a in range(0, self.out_features, self.step):
             rows = range(a, min(a + self.step, self.out_features))
-            weight = self.reader.read(rows, reuse=True).to(self.dtype).to(x.dtype)
-            outs.append(F.linear(x, weight, None if self.bias is None else self.bias[a:rows.stop].to(x.dtype)))
-            del weight
+            outs.append(F.linear(x, self.reader.read(rows, reuse=True).to(x.dtype),
+                                 None if self.bias is None else self.bias[a:rows.stop].to(x.dtype)))
         self.reader.release()  # the model may live on in reference cycles; its buffer need not
         return torch.cat(outs, dim=-1)
 
@@ -383,7 +381,7 @@ def stream_offloaded_vocab(model) -> int:
                 bias = None if module.bias is None else weights["bias"].to(dtype).clone()
             except KeyError:
                 continue
-            streamed = RowBlockLinear(reader, dtype, module.out_features, module.in_features, bias)
+            streamed = RowBlockLinear(reader, module.out_features, module.in_features, bias)
         remove_hook_from_module(module)
         parent, _, attr = next(n for n, m in model.named_modules() if m is module).rpartition(".")
         setattr(model.get_submodule(parent), attr, streamed)
