@@ -7,6 +7,7 @@ interrupted runs are real processes killed with SIGKILL.
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -175,6 +176,38 @@ def test_expert_parallel_checkpoints_resume_in_place_and_at_another_ep(dist_run,
         resumed = dist_run(2, run_case, moe + ["parallel.zero_stage=1", loaded, "training.save=false"], out, 3,
                            True)[0]
         torch.testing.assert_close(resumed[0], full[3], rtol=1e-5, atol=0, msg=f"{name}: next loss")
+
+
+def _to_universal(out):
+    from zoo.training.checkpoint import find_checkpoint, to_universal
+
+    return to_universal(find_checkpoint(out, 3))
+
+
+def test_expert_parallel_checkpoints_resume_at_another_ep_on_four_ranks(dist_run, tmp_path):
+    """4 ranks, saved at ZeRO-1 and resumed at ZeRO-2 through the universal checkpoint, the experts cut by the new
+    EP rank and partitioned over the new expert-data-parallel ranks: ep 2 x pp 2 -> ep 4 (the second stage's
+    experts come from its own expert file), and tp 2 (ep 1) -> ep 2 x dp 4 (experts over 2 EDP ranks) through
+    launch/train.py's main with --load; the next loss within 1e-5 of the uninterrupted run's."""
+    moe = ["model.preset=tiny-moe-shared", "training.steps=4", "training.micro_batch_size=1"]
+    out = str(tmp_path / "ep2-pp2")
+    full = dist_run(4, run_case, moe + ["parallel.ep=2", "parallel.pp=2", "training.save_interval=3"], out)[0]
+    resumed = dist_run(4, run_case, moe + ["parallel.ep=4", "parallel.zero_stage=2", "training.save=false"], out, 3,
+                       True)[0]
+    torch.testing.assert_close(resumed[0], full[3], rtol=1e-5, atol=0, msg="ep2 x pp2 -> ep4: next loss")
+    universal = Path(out) / "checkpoints" / "step_00000003_universal"
+    shutil.rmtree(universal / "zero" / "4.mlp.experts.down_proj")  # as an earlier zoo's conversion left it
+    dist_run(1, _to_universal, out)
+    assert (universal / "zero" / "4.mlp.experts.down_proj" / "fp32.pt").is_file(), "a conversion without them is redone"
+    out, into = tmp_path / "tp2", tmp_path / "tp2-to-ep2"
+    full = dist_run(4, run_case, moe + ["parallel.tp=2", "training.save_interval=3"], str(out))[0]
+    results = dist_run(4, run_main, "zoo.training.train:main", [
+        "--config", CONFIG, "--ep", "2", "--zero", "2", "--load", out, "--load-step", "3", "--steps", "4",
+        "--no-sample", "--out", into, "--set", *COMMON, *moe, "training.save=false"])
+    code, stdout, stderr = results[0]
+    assert code == 0, stdout[-2000:] + stderr[-2000:]
+    assert "universal checkpoint" in stdout, stdout[-2000:]
+    torch.testing.assert_close(losses_of(into)[4], full[3], rtol=1e-5, atol=0, msg="tp2 -> ep2 x dp4: next loss")
 
 
 def test_damaged_checkpoints_are_refused_and_auto_resume_takes_the_newest_intact(dist_run, tmp_path):

@@ -186,7 +186,7 @@ class MoETraining:
 # EP group. ZeRO-1/2 keep these partitioned over the expert-data-parallel ranks; DeepSpeed's tensor-fragment API
 # assembles and scatters them. :func:`load_expert_states` puts each rank's slice back after DeepSpeed has loaded
 # the rest, and :func:`patch_universal` writes them whole into a universal checkpoint made from such a folder, so
-# the run resumes at ep 1 in any tp/pp layout.
+# the run resumes at any ep, tp, pp and dp.
 
 EXPERT_FILE = "zoo_experts_pp{:02d}.safetensors"
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
@@ -359,7 +359,10 @@ def patch_universal(folder, universal_folder) -> int:
 
     zero = Path(universal_folder) / "zero"
     stored = expert_files(folder)
-    names = sorted(p.name for p in zero.iterdir() if EXPERT_NAME.search(p.name)) if zero.is_dir() else []
+    # ds_to_universal leaves a folder for an expert it skipped at some pipeline layouts only: the names come from
+    # zoo's files as well as from its folders.
+    names = sorted({p.name for p in zero.iterdir() if EXPERT_NAME.search(p.name)} |
+                   {name for name in stored if "/" not in name}) if zero.is_dir() else []
     step = next((p / "step.pt" for p in sorted(zero.iterdir()) if (p / "step.pt").is_file()), None) if names else None
     for name in names:
         for key in ("fp32", *ADAM_STATES):

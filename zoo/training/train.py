@@ -588,7 +588,7 @@ def parse_args(argv=None):
                   "With no arguments: the tiny GPT on the embedded corpus (Python's own help texts), about 5 minutes "
                   "on 2 CPU cores.")
     p.add_argument("--config", help=f"run config YAML (default: {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])})")
-    p.add_run_flags(load_help=": model, optimizer, LR schedule, step, RNG and data position; another tp/pp/dp "
+    p.add_run_flags(load_help=": model, optimizer, LR schedule, step, RNG and data position; another tp/pp/dp/ep "
                               "goes through DeepSpeed's universal checkpoint")
     p.add_argument("--out", help="output folder: config.yaml, metrics.jsonl, tb/, loss.png, checkpoints/, model/")
     p.add_argument("--init", metavar="DIR",
@@ -653,11 +653,6 @@ def resume_plan(cfg: RunConfig, model_cfg, args):
                           f"dp={old['dp']} ZeRO-{old['zero_stage']}; resuming at tp={par.tp} pp={par.pp} "
                           f"dp={cfg.dp} ZeRO-{par.zero_stage} goes through DeepSpeed's universal checkpoint, which "
                           f"needs ZeRO >= 1 on both sides; resume in the saved layout, or train with --zero 1")
-    if universal and par.ep > 1:
-        raise ConfigError(f"checkpoint {found.root / found.tag} was saved at tp={old['tp']} pp={old['pp']} "
-                          f"dp={old['dp']} ep={old.get('ep', 1)}; resuming in another layout works into ep 1 (any "
-                          f"tp/pp/dp), not yet into ep {par.ep}: resume at ep {par.ep} in the saved layout, or at "
-                          f"--ep 1")
     return found, universal
 
 
