@@ -132,3 +132,54 @@ def test_roofline_counts_the_fused_loss_gemms(monkeypatch):
     fused = gemm_shapes(build_zoo(cfg, torch.device("cpu"), torch.float32, 0, 1e-3, fused_cross_entropy=True),
                         ids, labels)
     assert flops(fused) == flops(plain) > 0
+
+
+TINY = ["--hidden-size", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--intermediate-size", "64", "--seq-length", "16",
+        "--batch-size", "2", "--vocab-size", "256", "--steps", "1", "--warmup", "0", "--threads", "1",
+        "--no-compile", "--no-roofline", "--no-memory"]
+
+
+def _bench_main(argv):
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        return main(argv)
+
+
+def test_gpu_suite_runs_every_benchmark_it_lists(dist_run, tmp_path, monkeypatch, capsys):
+    """--gpu-suite on a pretend two-GPU machine: every command it would launch is run here instead, at a tiny size
+    (the suite's own flags first, so its presets, dtype and --json FILE are exercised; the --tp 2 one in the 2-rank
+    pool): each exits 0 and leaves its JSON report where the suite says."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from zoo.bench import gpt as bench
+
+    launched, real_run = [], subprocess.run
+
+    def run_here(cmd, *args, **kwargs):
+        if not any(str(a).endswith("benchmark.py") for a in cmd):  # DeepSpeed's own probes (ninja, compilers)
+            return real_run(cmd, *args, **kwargs)
+        launched.append(cmd)
+        argv = [str(a) for a in cmd[1 + next(i for i, a in enumerate(cmd) if str(a).endswith("benchmark.py")):]] + TINY
+        if "torch.distributed.run" in cmd:
+            assert cmd[cmd.index("--nproc_per_node") + 1] == "2"
+            rc = dist_run(2, _bench_main, argv)[0]
+        else:
+            rc = _bench_main(argv)
+        return subprocess.CompletedProcess(cmd, rc)
+
+    monkeypatch.setattr(subprocess, "run", run_here)
+    gpus = SimpleNamespace(device_name=lambda: "cuda", device_count=lambda: 2)
+    args = bench.build_parser().parse_args(["--gpu-suite", "--out", str(tmp_path)])
+    assert bench.gpu_suite(args, gpus) == 0
+    assert capsys.readouterr().out.strip().endswith(f"reports in {tmp_path}")
+    assert [cmd[0] for cmd in launched] == [sys.executable] * 3
+    names = [name for name, _ in bench.GPU_SUITE] + ["gpt2-124m-tp2"]
+    reports = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in names}
+    assert [s["style"] for s in reports["gpt2-124m"]["styles"]] == ["gpt2"]
+    assert [s["style"] for s in reports["llama-1b"]["styles"]] == ["llama"]
+    assert reports["gpt2-124m"]["dtype"] == reports["llama-1b"]["dtype"] == reports["gpt2-124m-tp2"]["dtype"] == "bf16"
+    assert reports["gpt2-124m-tp2"]["tp"] == 2 and reports["gpt2-124m-tp2"]["results"][0]["tokens_per_s"] > 0
