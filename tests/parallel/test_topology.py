@@ -176,6 +176,28 @@ def test_context_parallel_grid_on_four_ranks(dist_run, tp, pp, cp):
     assert len(set(coords)) == 4, "every rank has its own (tp, cp, dp, pp) coordinate"
 
 
+@pytest.mark.parametrize("world,tp,cp,ep", [(4, 1, 2, 2), (16, 2, 2, 2), (16, 1, 2, 4), (16, 1, 4, 2)])
+def test_expert_data_parallel_groups_take_in_the_context_ranks(world, tp, cp, ep):
+    """With CP the EP groups stay chunks of the true DP groups; an EDP group holds the (dp / ep) x cp ranks with the
+    same experts: EP x EDP covers each of DeepSpeed's dp x cp groups once."""
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    dp = world // (tp * cp)
+    data_lists = PipeModelDataParallelTopology(num_pp=1, num_mp=tp, num_dp=dp * cp).get_axis_comm_lists("data")
+    dp_lists = [ranks[c::cp] for ranks in data_lists for c in range(cp)]  # as ParallelGrid carves them
+    ep_lists, edp_lists = expert_parallel_rank_lists(dp_lists, ep, cp)
+    assert all(len(g) == ep for g in ep_lists) and all(len(g) == dp // ep * cp for g in edp_lists)
+    for ranks in data_lists:
+        eps = [g for g in ep_lists if set(g) <= set(ranks)]
+        edps = [g for g in edp_lists if set(g) <= set(ranks)]
+        assert sorted(r for g in edps for r in g) == sorted(ranks) == sorted(r for g in eps for r in g)
+        assert all(len(set(a) & set(b)) == 1 for a in eps for b in edps)
+        for d in range(dp):  # replica d's CP ranks (data indices d x cp + c) sit in one EDP group
+            assert any(set(ranks[d * cp:(d + 1) * cp]) <= set(g) for g in edps)
+    if (world, tp, cp, ep) == (4, 1, 2, 2):  # the example in zoo/parallel/topology.py's docstring
+        assert sorted(ep_lists) == [[0, 2], [1, 3]] and sorted(edp_lists) == [[0, 1], [2, 3]]
+
+
 def no_context_group_case():
     grid = initialize_model_parallel(2, 1)
     return grid.cp, grid.cp_group, grid.cp_ranks == (dist.get_rank(),), grid.dp_group is grid.get_data_parallel_group()

@@ -39,7 +39,7 @@ def run_case(overrides, out, resume_step=None, universal=False):
 
     cfg = load(CONFIG, COMMON + list(overrides) + [f"out={out}"])
     model_cfg = validate(cfg, dist.get_world_size())
-    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep)
+    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.cp)
     resume = find_checkpoint(out, resume_step) if resume_step is not None else None
     return train(cfg, model_cfg, grid, log=lambda s: None, resume=resume, universal=universal)
 
@@ -188,7 +188,8 @@ def test_expert_parallel_checkpoints_resume_at_another_ep_on_four_ranks(dist_run
     """4 ranks, saved at ZeRO-1 and resumed at ZeRO-2 through the universal checkpoint, the experts cut by the new
     EP rank and partitioned over the new expert-data-parallel ranks: ep 2 x pp 2 -> ep 4 (the second stage's
     experts come from its own expert file), and tp 2 (ep 1) -> ep 2 x dp 4 (experts over 2 EDP ranks) through
-    launch/train.py's main with --load; the next loss within 1e-5 of the uninterrupted run's."""
+    launch/train.py's main with --load, and -> ep 2 x cp 2; the next loss within 1e-5 of the uninterrupted run's.
+    ep 2 x cp 2 resumes in place exactly."""
     moe = ["model.preset=tiny-moe-shared", "training.steps=4", "training.micro_batch_size=1"]
     out = str(tmp_path / "ep2-pp2")
     full = dist_run(4, run_case, moe + ["parallel.ep=2", "parallel.pp=2", "training.save_interval=3"], out)[0]
@@ -208,6 +209,15 @@ def test_expert_parallel_checkpoints_resume_at_another_ep_on_four_ranks(dist_run
     assert code == 0, stdout[-2000:] + stderr[-2000:]
     assert "universal checkpoint" in stdout, stdout[-2000:]
     torch.testing.assert_close(losses_of(into)[4], full[3], rtol=1e-5, atol=0, msg="tp2 -> ep2 x dp4: next loss")
+    # The same tp 2 checkpoint into ep 2 x cp 2 (ring); and ep 2 x cp 2 at ZeRO-2 (the experts' partitions over
+    # an EDP group of the 2 CP ranks) resumed in place, exactly.
+    resumed = dist_run(4, run_case, moe + ["parallel.ep=2", "parallel.cp=2", "parallel.cp_algorithm=ring",
+                                           "training.save=false"], str(out), 3, True)[0]
+    torch.testing.assert_close(resumed[0], full[3], rtol=1e-5, atol=0, msg="tp2 -> ep2 x cp2: next loss")
+    out = str(tmp_path / "ep2-cp2")
+    context = moe + ["parallel.ep=2", "parallel.cp=2", "parallel.zero_stage=2"]
+    full = dist_run(4, run_case, context + ["training.save_interval=3"], out)[0]
+    assert dist_run(4, run_case, context + ["training.save=false"], out, 3)[0] == full[3:], "ep2 x cp2 in place"
 
 
 def test_damaged_checkpoints_are_refused_and_auto_resume_takes_the_newest_intact(dist_run, tmp_path):

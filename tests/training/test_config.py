@@ -69,8 +69,8 @@ BAD = [
     (TINY, ["parallel.cp=2", "parallel.cp_algorithm=ring", "model.attention_dropout=0.1"], 2,
      r"^ring attention has no attention dropout \(attention_dropout=0.1\); set model.attention_dropout=0 or "
      r"parallel.cp_algorithm=ulysses$"),
-    (TINY, ["parallel.cp=2", "model.preset=tiny-moe"], 2,
-     r"^context parallelism \(cp=2\) does not support mixture-of-experts models yet"),
+    (TINY, ["parallel.cp=2", "parallel.ep=2", "model.preset=tiny-moe"], 2,
+     r"^ep 2 does not divide the data-parallel size 1 \(world size 2 / tp\*pp 1 / cp 2\); expert-parallel groups "),
     (ROOT / "configs/bert/tiny.yaml", ["parallel.cp=2"], 2,
      r"^context parallelism \(cp=2\) is for the gpt family, not 'bert'; use cp=1"),
     (ROOT / "configs/unet/segmentation.yaml", ["parallel.cp=2"], 2,

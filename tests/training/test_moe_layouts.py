@@ -22,7 +22,9 @@ CONFIG = ROOT / "configs/gpt/tiny-moe.yaml"
 COMMON = DENSE_COMMON + ["model.router_aux_loss_coef=0.1", "model.router_z_loss_coef=0.01"]  # the dense runs' batch
 MODELS = {"moe": ["model.preset=tiny-moe"], "moe-shared": ["model.preset=tiny-moe-shared"],
           # DeepSeek-V3's balancing bias, stepped after every optimizer step from the global batch's load.
-          "moe-bias": ["model.preset=tiny-moe", "model.moe_expert_bias=true", "model.expert_bias_update_rate=0.01"]}
+          "moe-bias": ["model.preset=tiny-moe", "model.moe_expert_bias=true", "model.expert_bias_update_rate=0.01"],
+          # DeepSeek-V2/V3's per-sequence balancing loss: under CP each sequence's statistics span the CP ranks.
+          "moe-seq": ["model.preset=tiny-moe", "model.router_aux_loss_type=seq"]}
 METRICS = ("aux_loss", "z_loss", "grad_norm")
 
 LAYOUTS = {  # name: (world size, overrides)
@@ -34,7 +36,14 @@ LAYOUTS = {  # name: (world size, overrides)
     "ep2-dp4-zero2": (4, ["parallel.ep=2", "parallel.zero_stage=2"]),  # experts' ZeRO partitions over EDP of 2
     "ep2-tp2-sp-recompute": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                                  "parallel.activation_checkpointing=true"]),
+    # Context parallelism: router statistics summed over CP, EDP groups over (dp/ep) x cp ranks.
+    "ep2-cp2": (4, ["parallel.ep=2", "parallel.cp=2"]),
+    "ep2-cp2-ring-zero2": (4, ["parallel.ep=2", "parallel.cp=2", "parallel.cp_algorithm=ring",
+                               "parallel.zero_stage=2"]),  # experts' ZeRO partitions over the 2 CP ranks
+    "cp2-ring-tp2-sp-zero1": (4, ["parallel.cp=2", "parallel.cp_algorithm=ring", "parallel.tp=2",
+                                  "parallel.sequence_parallel=true", "parallel.zero_stage=1"]),
 }
+CONTEXT_LAYOUTS = ("ep2-cp2", "ep2-cp2-ring-zero2", "cp2-ring-tp2-sp-zero1")
 
 
 def _full_grads(engine, grid) -> dict:
@@ -66,7 +75,7 @@ def train_case(model, overrides, out):
 
     cfg = load(CONFIG, COMMON + MODELS[model] + list(overrides) + [f"out={out}"])
     model_cfg = validate(cfg, dist.get_world_size())
-    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep)
+    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.cp)
     grads, engines = {}, []
     build_engine = run.build_engine
 
@@ -117,8 +126,10 @@ def _relative_error(a, b):
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
-CASES = [(model, layout) for model in ("moe", "moe-shared") for layout in LAYOUTS]
-CASES += [("moe-bias", "ep2-dp4-zero2"), ("moe-bias", "ep2-tp2-sp-recompute")]
+CASES = [(model, layout) for model in ("moe", "moe-shared") for layout in LAYOUTS if layout not in CONTEXT_LAYOUTS]
+CASES += [("moe-bias", "ep2-dp4-zero2"), ("moe-bias", "ep2-tp2-sp-recompute"), ("moe", "ep2-cp2"),
+          ("moe-shared", "ep2-cp2-ring-zero2"), ("moe-shared", "cp2-ring-tp2-sp-zero1"), ("moe-bias", "ep2-cp2"),
+          ("moe-seq", "ep2-cp2")]
 
 
 @pytest.mark.parametrize("model,layout", CASES)
@@ -142,7 +153,7 @@ def test_expert_gradients_match_single_process(dist_run, model, layout):
     assert max(errors.values()) < 1e-5, {name: e for name, e in errors.items() if e >= 1e-5}
 
 
-@pytest.mark.parametrize("layout", ["ep2-dp4-zero2", "ep2-tp2-sp-recompute"])
+@pytest.mark.parametrize("layout", ["ep2-dp4-zero2", "ep2-tp2-sp-recompute", "ep2-cp2"])
 def test_expert_bias_steps_like_single_process(dist_run, layout):
     """Every rank holding a layer steps its bias with the load of the whole global batch (all DP ranks, all
     micro-batches), so the biases, which change the routing, stay those of the one-process run."""

@@ -24,11 +24,11 @@ Capacity (``capacity_factor`` not None): each expert takes at most C = ceil(cf *
 
 Interface (a drop-in for ``GPTMLP`` in ``GPTBlock`` where ``config.is_moe_layer(i)``)::
 
-    moe = GPTMoE(config, par)           # par: ParallelOptions (tp_group, sequence_parallel, ep_group)
+    moe = GPTMoE(config, par)           # par: ParallelOptions (tp_group, sequence_parallel, ep_group, cp_group)
     y = moe(x)                          # [b, s_local, h] -> [b, s_local, h]; s_local = s/tp with SP
     moe.aux_loss_scale = 1 / grad_accumulation_steps     # the trainer's choice; default 1.0
     moe.last_stats                      # detached, from the last call: aux_loss, z_loss, tokens_per_expert [E]
-                                        # (summed over TP and EP), dropped_fraction
+                                        # (summed over TP, CP and EP), dropped_fraction
     moe.update_expert_bias(load)        # after each optimizer step, load [E] summed over the step: b += rate *
                                         # sign(mean(load) - load); pass the same load on every rank
 
@@ -48,8 +48,11 @@ statistics are summed over TP. Expert parallel (``ep_group``): rank r holds expe
 tokens sorted by expert go to their experts' ranks with one uneven ``all_to_all`` (its split sizes exchanged
 first, also by ``all_to_all``), each rank runs its experts on the tokens of all source ranks, and a second
 ``all_to_all`` brings the results back. The trainer must not average expert gradients over the EP group (each
-rank's experts already saw every EP rank's tokens) and must keep ``expert_bias`` identical on all ranks. Router
-losses are those of this rank's layer call (its TP group's tokens); capacity is per rank.
+rank's experts already saw every EP rank's tokens) and must keep ``expert_bias`` identical on all ranks. Context
+parallel (``cp_group``): each rank holds s/cp positions of every sequence; the router's statistics are summed over
+the CP group too, so the router losses are the whole sequences' on every CP rank, and their gradient is seeded cp
+times (``aux_loss_scale x cp``), because the trainer averages gradients over CP (as ``GPTLoss``'s convention).
+Router losses are those of this rank's layer call (its TP and CP groups' tokens); capacity is per rank.
 
 Dispatch: the k assignments of each token are flattened, sorted by expert (stable argsort), run expert by
 expert as plain matmuls (no padding), scaled by their weights and summed back per token with ``index_add`` in
@@ -88,9 +91,13 @@ def _summed_grad(w: torch.Tensor, group) -> torch.Tensor:
     return w if group is None else copy_to_tensor_model_parallel_region(w, group)
 
 
-def _sum_over(x: torch.Tensor, group) -> torch.Tensor:
-    """Sum over ``group`` (forward all-reduce, backward identity: every rank uses the sum alike)."""
-    return x if group is None else reduce_from_tensor_model_parallel_region(x, group)
+def _sum_over(x: torch.Tensor, *groups) -> torch.Tensor:
+    """Sum over each of ``groups`` (None: skipped); forward all-reduce, backward identity: every rank uses the sum
+    alike."""
+    for group in groups:
+        if group is not None:
+            x = reduce_from_tensor_model_parallel_region(x, group)
+    return x
 
 
 def expert_mlp(x, w1, w2, swiglu: bool):
@@ -158,10 +165,13 @@ class MoERouter(nn.Module):
             choice = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(T, -1)  # [T, E]
         return choice.topk(self.top_k, dim=-1).indices
 
-    def forward(self, x: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int, token_group=None) -> Routing:
+    def forward(self, x: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int, token_group=None,
+                context_group=None) -> Routing:
         """x: [T, h] tokens; seq_ids: [T] the sequence (< num_seqs) of each token, for the "seq" loss.
         ``token_group``: the group this layer call's tokens are split over (weight gradient and statistics are
-        summed over it); None when all of them are here."""
+        summed over it); None when all of them are here. ``context_group``: the CP group holding the sequences'
+        other positions: statistics are summed over it too, the gradient is not (the trainer averages it over CP,
+        as the language-model loss's)."""
         E, k, T = self.num_experts, self.top_k, x.shape[0]
         logits = F.linear(x.float(), _summed_grad(self.weight, token_group).float())  # [T, E]
         if self.scoring_func == "sigmoid":
@@ -183,9 +193,10 @@ class MoERouter(nn.Module):
             counts.index_put_((seq_ids.repeat_interleave(k), indices.reshape(-1)), torch.ones(T * k, device=x.device),
                               accumulate=True)
             counts[:, E] = torch.bincount(seq_ids, minlength=num_seqs).float()
-            counts = _sum_over(counts, token_group)
+            counts = _sum_over(counts, token_group, context_group)
         sums = torch.cat([probs, logits.logsumexp(-1, keepdim=True).square()], dim=1)  # [T, E + 1]
-        sums = _sum_over(torch.zeros(num_seqs, E + 1, device=x.device).index_add(0, seq_ids, sums), token_group)
+        sums = _sum_over(torch.zeros(num_seqs, E + 1, device=x.device).index_add(0, seq_ids, sums), token_group,
+                         context_group)
         assigned, tokens = counts[:, :E], counts[:, E].clamp(min=1)  # [b, E], [b]
         if self.aux_loss_type == "global":
             aux = E * (assigned.sum(0) / (tokens.sum() * k) * sums[:, :E].sum(0) / tokens.sum()).sum()
@@ -296,7 +307,8 @@ class GPTMoE(nn.Module):
         super().__init__()
         self.config = config
         self.tp_group = get_tensor_model_parallel_group() if par.tp_group is None else par.tp_group
-        self.ep_group = par.ep_group
+        self.ep_group, self.cp_group = par.ep_group, par.cp_group
+        self.cp_world_size = group_rank_and_size(self.cp_group)[1]
         self.tp_rank, self.tp_world_size = group_rank_and_size(self.tp_group)
         self.ep_rank, self.ep_world_size = group_rank_and_size(self.ep_group)
         self.sequence_parallel = par.sequence_parallel
@@ -336,7 +348,7 @@ class GPTMoE(nn.Module):
         T = tokens.shape[0]
         seq_ids = torch.div(torch.arange(offset, offset + T, device=x.device), s, rounding_mode="floor")
 
-        route = self.router(tokens, seq_ids, b, group)
+        route = self.router(tokens, seq_ids, b, group, self.cp_group)
         y, kept = self._routed(tokens, route, group)
         if self.shared_expert is not None:
             shared = self.shared_expert(tokens, group)
@@ -351,11 +363,12 @@ class GPTMoE(nn.Module):
         cfg = self.config
         loss = cfg.router_aux_loss_coef * route.aux_loss + cfg.router_z_loss_coef * route.z_loss
         if torch.is_grad_enabled() and (cfg.router_aux_loss_coef or cfg.router_z_loss_coef):
-            y = MoEAuxLossAutoScaler.apply(y, loss, float(self.aux_loss_scale))
-        with torch.no_grad():  # load and drops of the whole call: over TP (where split) and EP
+            # Under CP each rank's share of the router losses' gradient is one of cp that the trainer averages.
+            y = MoEAuxLossAutoScaler.apply(y, loss, float(self.aux_loss_scale) * self.cp_world_size)
+        with torch.no_grad():  # load and drops of the whole call: over TP (where split), CP and EP
             drops = _sum_over(torch.tensor([T * self.top_k - kept, T * self.top_k], dtype=torch.float32,
-                                           device=x.device), group)
-            load = torch.cat([route.tokens_per_expert, drops])  # the router's counts are already over TP
+                                           device=x.device), group, self.cp_group)
+            load = torch.cat([route.tokens_per_expert, drops])  # the router's counts are already over TP and CP
             load = _sum_over(load, self.ep_group if self.ep_world_size > 1 else None)
         self.last_stats = dict(aux_loss=route.aux_loss.detach(), z_loss=route.z_loss.detach(),
                                tokens_per_expert=load[: self.num_experts], dropped_fraction=load[-2] / load[-1])

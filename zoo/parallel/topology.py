@@ -45,6 +45,11 @@ overlaps with compute, and pipeline stages exchange only activations. For 8 rank
     TP groups {0,1} {2,3} {4,5} {6,7}; CP groups {0,2} {1,3} {4,6} {5,7}; DP groups {0,4} {1,5} {2,6} {3,7};
     DeepSpeed's data-parallel groups (dp x cp) {0,2,4,6} {1,3,5,7}.
 
+With both, ep divides the true dp: EP groups are chunks of the true DP groups (ranks that read different samples
+exchange tokens), and an EDP group holds the ranks at its place in the CP ranks' chunks too, (dp / ep) x cp ranks,
+since CP ranks hold the same experts. At tp=1, cp=2, ep=2 on 4 ranks (dp=2): EP groups [0,2] [1,3], EDP groups
+[0,1] [2,3]. Expert gradients are then reduced over EDP and divided, as every gradient, by DeepSpeed's dp x cp.
+
 Two meanings of "data parallel", kept apart on purpose:
 
 - ``grid.dp``, ``grid.dp_rank``, ``grid.dp_group`` are the *true* data parallelism (different samples): data loading
@@ -94,19 +99,27 @@ def check_layout(world_size: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int
         raise LayoutError(
             f"ep {ep} does not divide the data-parallel size {dp} (world size {world_size} / tp*pp {tp * pp}"
             + (f" / cp {cp}" if cp > 1 else "") + "); expert-parallel groups are carved out of the data-parallel "
-            f"ranks: pick ep in {divisors} or launch a multiple of tp*pp*ep = {tp * pp * ep * cp} processes"
+            f"ranks: pick ep in {divisors} or launch a multiple of {'tp*cp*pp*ep' if cp > 1 else 'tp*pp*ep'} = "
+            f"{tp * pp * ep * cp} processes"
         )
     return dp
 
 
-def expert_parallel_rank_lists(data_parallel_lists, ep: int) -> tuple[list, list]:
+def expert_parallel_rank_lists(data_parallel_lists, ep: int, cp: int = 1) -> tuple[list, list]:
     """(EP groups, EDP groups) as rank lists: each data-parallel group cut into consecutive chunks of ep ranks,
-    and the ranks at the same place of those chunks (DeepSpeed's ``_get_expert_parallel_ranks``)."""
+    and the ranks at the same place of those chunks (DeepSpeed's ``_get_expert_parallel_ranks``). With cp > 1 the
+    lists are the true data-parallel groups, each run of ``cp`` of them one replica's CP ranks (as
+    ``ParallelGrid`` orders them); the CP ranks hold the same experts, so an EDP group takes the ranks at its place
+    in all of them: (dp / ep) x cp ranks."""
     ep_lists, edp_lists = [], []
-    for ranks in data_parallel_lists:
-        chunks = [list(ranks[i:i + ep]) for i in range(0, len(ranks), ep)]
-        ep_lists += chunks
-        edp_lists += [list(r) for r in zip(*chunks)]
+    for first in range(0, len(data_parallel_lists), cp):
+        places = None
+        for ranks in data_parallel_lists[first:first + cp]:
+            chunks = [list(ranks[i:i + ep]) for i in range(0, len(ranks), ep)]
+            ep_lists += chunks
+            places = [list(r) for r in zip(*chunks)] if places is None else \
+                [mine + list(r) for mine, r in zip(places, zip(*chunks))]
+        edp_lists += [sorted(r) for r in places]
     return ep_lists, edp_lists
 
 
@@ -217,13 +230,13 @@ class ParallelGrid:
         self._data = self._dp  # DeepSpeed's data axis: dp x cp
         self._cp, self._dp, dp_lists = self._build_context_axes()
         if ep > 1:  # experts split over ranks that see different samples: the true data-parallel groups
-            ep_lists, edp_lists = expert_parallel_rank_lists(dp_lists, ep)
+            ep_lists, edp_lists = expert_parallel_rank_lists(dp_lists, ep, cp)
             self._ep = self._build_axis(ep_lists)
             self._edp = self._build_axis(edp_lists)
             self.register_expert_groups()
         else:  # no expert parallelism: no EP group (layers take None), experts are averaged like any weight
             self._ep = _Axis(0, 1, None, (self.rank,))
-            self._edp = self._dp
+            self._edp = self._data
 
     def _build_context_axes(self) -> tuple[_Axis, _Axis, list]:
         """(CP axis, true DP axis, the true DP rank lists), carved from DeepSpeed's data axis; at cp = 1: no CP

@@ -442,7 +442,8 @@ def _block_cost(c, i: int, lay: Layout, job: Job, gpu: GPU) -> tuple:
     ep_comm = 0.0
     if lay.ep > 1 and c.is_moe_layer(i):  # dispatch + combine all-to-alls
         size = tokens / lay.tp * c.num_experts_per_tok * c.hidden_size * a
-        ep_comm = 2 * (2 + rc) * _collective_time(size, lay.ep, "all_to_all", gpu, _inter(lay.tp * lay.ep, gpu))
+        ep_comm = 2 * (2 + rc) * _collective_time(size, lay.ep, "all_to_all", gpu,
+                                                   _inter(lay.tp * lay.cp * lay.ep, gpu))  # EP ranks: tp x cp apart
     return gemm, attn, attn_extra, elem, extra_bytes, tp_comm, ep_comm
 
 

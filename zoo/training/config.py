@@ -326,6 +326,11 @@ def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = N
     except ValueError as e:
         raise ConfigError(str(e)) from None
     validate_context_parallel(cfg, model, world_size)
+    if par.cp > 1 and par.ep > 1:
+        try:
+            check_layout(world_size, par.tp, par.pp, par.ep, par.cp)  # ep divides the true dp: world / (tp cp pp)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if par.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {par.zero_stage!r}")
     if moe and par.zero_stage == 3:
@@ -427,9 +432,6 @@ def validate_context_parallel(cfg: RunConfig, model, world_size: int) -> None:
     if not get_family(cfg.model.family).context_parallel:
         raise ConfigError(f"context parallelism (cp={par.cp}) is for the gpt family, not {cfg.model.family!r}; "
                           f"use cp=1 (tp, pp and dp work for every family)")
-    if getattr(model, "num_experts", 0):
-        raise ConfigError(f"context parallelism (cp={par.cp}) does not support mixture-of-experts models yet (router "
-                          f"losses and capacity would count one rank's tokens); use cp=1")
     n = par.tp * par.cp * par.pp
     if world_size % n:
         raise ConfigError(f"world size {world_size} is not divisible by tp*cp*pp = {n} (tp={par.tp}, cp={par.cp}, "

@@ -13,10 +13,12 @@ Gradient scale. Each dp rank averages the loss of its own micro-batches, so an e
 (1/dp) x the sum over all dp ranks of their tokens' contributions. The EP all-to-all's backward already brings
 the contributions of the whole EP group to the expert's rank; summed over EDP they cover all dp ranks, so the
 sum must be divided by dp, not by the EDP size (which DeepSpeed has done in some releases: ep times too large).
-DeepSpeed 0.19.8 divides by dp in every path zoo uses: ZeRO-0 (``DeepSpeedEngine._reduce_expert_gradients``:
+With context parallelism every rank's gradient is cp times its share (``GPTLoss``; the router losses' seed too,
+``GPTMoE``), the EDP groups include the CP ranks, and the divisor is DeepSpeed's data-parallel size dp x cp.
+DeepSpeed 0.19.8 divides by its data-parallel size in every path zoo uses: ZeRO-0 (``DeepSpeedEngine._reduce_expert_gradients``:
 the world size of ``groups._get_data_parallel_group()``, i.e. the mpu's DP group, with or without a pipeline) and
 ZeRO-1/2 (``average_tensor`` divides the whole bucket by the DP group's size before reducing expert slices over
-EDP). :func:`check_expert_gradient_divisor` refuses an engine whose divisor is not dp, and
+EDP). :func:`check_expert_gradient_divisor` refuses an engine whose divisor is not that, and
 tests/training/test_moe_layouts.py compares every expert gradient with the single process.
 
 Router losses. ``MoEAuxLossAutoScaler`` seeds the router losses' gradient with ``aux_loss_scale``; it must be what
@@ -101,10 +103,11 @@ def check_expert_gradient_divisor(engine, grid) -> None:
     if not getattr(engine, "has_moe_layers", False):
         raise RuntimeError("DeepSpeed did not take the model's expert layers as MoE layers; expert gradients would "
                            "be averaged over all data-parallel ranks")
-    # ZeRO-0 divides by the first, ZeRO-1/2 by the second (their dp_process_group).
+    # ZeRO-0 divides by the first, ZeRO-1/2 by the second (their dp_process_group); DeepSpeed's dp is dp x cp.
     for divisor in (dist.get_world_size(ds_groups._get_data_parallel_group()), engine.seq_dp_world_size):
-        if divisor != grid.dp:
-            raise RuntimeError(f"DeepSpeed would divide expert gradients by {divisor}, not by dp {grid.dp}")
+        if divisor != grid.dp * grid.cp:
+            raise RuntimeError(f"DeepSpeed would divide expert gradients by {divisor}, not by dp x cp "
+                               f"{grid.dp * grid.cp}")
 
 
 class MoETraining:
@@ -154,8 +157,8 @@ class MoETraining:
             rows = torch.tensor([self.layer_ids.index(i) for i, _ in self.layers], dtype=torch.long,
                                 device=self.sums.device)
             local = self.sums.clone()
-            if grid.ep_rank != 0:  # load and drops are already summed over the EP group; losses are per rank
-                local[:, 3:] = 0
+            if grid.ep_rank != 0 or grid.cp_rank != 0:  # load and drops: already summed over EP and CP
+                local[:, 3:] = 0  # (losses are per rank; CP ranks hold the same values)
             table.index_add_(0, rows, local)
         self.sums.zero_()
         if dist.is_initialized() and grid.world_size > 1:
