@@ -45,9 +45,9 @@ BAD = [
      r"^ep 4 does not divide the data-parallel size 2 \(world size 4 / tp\*pp 2\); expert-parallel groups are "
      r"carved out of the data-parallel ranks: pick ep in \[1, 2\] or launch a multiple of tp\*pp\*ep = 8 processes$"),
     (MOE, ["model.n_group=3", "model.topk_group=1"], 1, r"^model: GPTConfig: n_group 3 does not divide num_experts 8$"),
-    (MOE, ["parallel.zero_stage=3"], 1,
-     r"^ZeRO stage 3 does not work with mixture-of-experts models \(DeepSpeed refuses MoE with ZeRO-3\); use "
-     r"parallel.zero_stage 1 or 2$"),
+    (MOE, ["parallel.zero_stage=3", "parallel.ep=2"], 2,
+     r"^ZeRO stage 3 does not work with expert parallelism \(ep=2; DeepSpeed refuses its MoE layers under ZeRO-3\); "
+     r"use parallel.zero_stage 1 or 2, or ep 1 \(ZeRO-3 then partitions the experts like any weight\)$"),
     (TINY, ["parallel.ep=2"], 2, r"^parallel.ep 2 needs a mixture-of-experts model \(model.num_experts > 0"),
     (MOE, ["parallel.ep=0"], 1, r"^parallel.ep must be a positive integer, got 0$"),
     # Context parallelism: one line per problem, before any process group.

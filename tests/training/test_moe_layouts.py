@@ -36,6 +36,8 @@ LAYOUTS = {  # name: (world size, overrides)
     "ep2-dp4-zero2": (4, ["parallel.ep=2", "parallel.zero_stage=2"]),  # experts' ZeRO partitions over EDP of 2
     "ep2-tp2-sp-recompute": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                                  "parallel.activation_checkpointing=true"]),
+    # ep 1: the experts are weights like any other, which ZeRO-3 partitions (DeepSpeed refuses it at ep > 1).
+    "dp2-zero3": (2, ["parallel.zero_stage=3"]),
     # Context parallelism: router statistics summed over CP, EDP groups over (dp/ep) x cp ranks.
     "ep2-cp2": (4, ["parallel.ep=2", "parallel.cp=2"]),
     "ep2-cp2-ring-zero2": (4, ["parallel.ep=2", "parallel.cp=2", "parallel.cp_algorithm=ring",
@@ -113,7 +115,9 @@ def run(dist_run, model, layout, tmp="/tmp/zoo-moe"):
     key = (model, layout)
     if key not in _runs:
         world, overrides = LAYOUTS.get(layout, (1, []))
-        results = dist_run(world, train_case, model, overrides, f"{tmp}-{model}-{layout}")
+        # ZeRO-3 engines keep their process groups after destroy (tests/conftest.py): their pool is retired after.
+        results = (dist_run.retire if "zero3" in layout else dist_run)(world, train_case, model, overrides,
+                                                                        f"{tmp}-{model}-{layout}")
         grads, biases = {}, {}
         for _, _, g, b in results:
             grads.update(g)

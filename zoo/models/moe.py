@@ -65,8 +65,7 @@ N assignments (T k, fewer with capacity), h hidden.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -112,9 +111,9 @@ def expert_mlp(x, w1, w2, swiglu: bool):
     return F.linear(a, w2)
 
 
-@dataclass
-class Routing:
-    """The router's decision for T tokens, and the losses and load of the whole layer call."""
+class Routing(NamedTuple):
+    """The router's decision for T tokens, and the losses and load of the whole layer call. A named tuple, so that
+    ZeRO-3 sees its tensors and gathers the router's weight again for their backward."""
 
     indices: torch.Tensor  # [T, k] chosen experts
     weights: torch.Tensor  # [T, k] fp32 combine weights
@@ -270,6 +269,14 @@ class SharedExpert(nn.Module):
                           self.swiglu)
 
 
+class SharedExpertGate(nn.Linear):
+    """Qwen2-MoE's sigmoid gate logit of the shared expert, x . g, for this rank's share of the tokens. Called as a
+    module (not its weight read from outside it), so that ZeRO-3 gathers the weight for its forward and backward."""
+
+    def forward(self, x, token_group=None):
+        return F.linear(x, _summed_grad(self.weight, token_group))
+
+
 class MoEAuxLossAutoScaler(torch.autograd.Function):
     """Forward: the output, unchanged. Backward: the output's gradient, and ``scale`` as the gradient of the
     (coefficient-weighted) router loss, which thus joins the backward pass without being added to any loss."""
@@ -325,7 +332,7 @@ class GPTMoE(nn.Module):
             self.shared_expert = SharedExpert(config.hidden_size, config.shared_intermediate_size, swiglu=swiglu,
                                               init_method=init, output_init_method=output_init)
             if config.shared_expert_gate:
-                self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+                self.shared_expert_gate = SharedExpertGate(config.hidden_size, 1, bias=False)
                 init(self.shared_expert_gate.weight.data)
         self.aux_loss_scale = 1.0
         self.last_stats: dict[str, torch.Tensor] = {}
@@ -353,7 +360,7 @@ class GPTMoE(nn.Module):
         if self.shared_expert is not None:
             shared = self.shared_expert(tokens, group)
             if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(F.linear(tokens, _summed_grad(self.shared_expert_gate.weight, group))) * shared
+                shared = torch.sigmoid(self.shared_expert_gate(tokens, group)) * shared
             y = y + shared
         y = y.view(1, T, h)
         if split and not self.sequence_parallel:

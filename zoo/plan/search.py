@@ -75,7 +75,8 @@ def _cp_ok(c, job: Job, tp: int, cp: int) -> bool:
 
 def _variants(job: Job, fixed: dict, **axes):
     tp, pp, s_local = axes["tp"], axes["pp"], job.seq_length // axes["cp"]
-    for zero in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
+    # ZeRO-2/3 do not work with a pipeline; ZeRO-3 not with expert parallelism (DeepSpeed refuses both).
+    for zero in ((0, 1) if pp > 1 else (0, 1, 2) if axes["ep"] > 1 else (0, 1, 2, 3)):
         for sp in ((False, True) if tp > 1 and s_local % tp == 0 else (False,)):
             for rc in RECOMPUTE:
                 if rc == "selective" and job.attention != "unfused":

@@ -333,9 +333,10 @@ def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = N
             raise ConfigError(str(e)) from None
     if par.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {par.zero_stage!r}")
-    if moe and par.zero_stage == 3:
-        raise ConfigError("ZeRO stage 3 does not work with mixture-of-experts models (DeepSpeed refuses MoE with "
-                          "ZeRO-3); use parallel.zero_stage 1 or 2")
+    if moe and par.zero_stage == 3 and par.ep > 1:
+        raise ConfigError(f"ZeRO stage 3 does not work with expert parallelism (ep={par.ep}; DeepSpeed refuses its MoE "
+                          f"layers under ZeRO-3); use parallel.zero_stage 1 or 2, or ep 1 (ZeRO-3 then partitions "
+                          f"the experts like any weight)")
     if par.pp > 1 and par.zero_stage > 1:
         raise ConfigError(f"ZeRO stage {par.zero_stage} does not work with pipeline parallelism (pp={par.pp}); "
                           f"use zero_stage 0 or 1 with pp > 1, or pp=1 for ZeRO-2/3")
