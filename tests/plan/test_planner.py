@@ -303,3 +303,25 @@ def test_weight_average_is_priced_and_written(tmp_path):
     cfg = load(path)
     validate(cfg, 4)
     assert cfg.training.ema_decay == 0.999
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama", "tiny-moe-shared"])
+def test_every_layout_the_planner_offers_is_one_zoo_runs(tmp_path, preset):
+    """Every candidate layout of 8 GPUs (tp, pp, cp, ep, ZeRO, SP, recompute, micro batch, the fused loss), written
+    as a run config, passes zoo's own validation for 8 processes: the planner never proposes what zoo refuses."""
+    from zoo.plan.search import candidates
+    from zoo.plan.cli import run_config
+    from zoo.training.config import ConfigError, load, validate
+
+    job = Job(GPTConfig.from_preset(preset), 8, 128, 16, dtype="fp32", fused_cross_entropy=True)
+    gpu = get_gpu("h100")
+    refused, count = [], 0
+    for lay in candidates(job, gpu):
+        path = tmp_path / "layout.yaml"
+        path.write_text(run_config(estimate(job, lay, gpu), job, preset))
+        count += 1
+        try:
+            validate(load(path, ["data.source=synthetic"]), 8)
+        except ConfigError as e:
+            refused.append(f"{lay}: {e}")
+    assert count > 50 and not refused, refused[:5]
