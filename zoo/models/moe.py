@@ -381,6 +381,7 @@ class GPTMoE(nn.Module):
                                tokens_per_expert=load[: self.num_experts], dropped_fraction=load[-2] / load[-1])
         return y
 
+    @torch.compiler.disable
     def _routed(self, tokens: torch.Tensor, route: Routing, group):
         """sum_k w_k E_k(x) for the T tokens [T, h] -> ([T, h] in tokens' dtype, number of kept assignments)."""
         T, k, E = tokens.shape[0], self.top_k, self.num_experts

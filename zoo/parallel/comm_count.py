@@ -113,6 +113,7 @@ class CommCounter:
             return "pp"
         return "p2p"
 
+    @torch.compiler.disable  # bookkeeping: no graph of a compiled block guards on (or recompiles for) its counts
     def record(self, fn_name: str, args, kwargs) -> None:
         kind, position, keyword = _WRAPPED[fn_name]
         if fn_name == "batch_isend_irecv":
