@@ -210,7 +210,7 @@ def test_single_process_gradient_is_plain_autograd(dist_run, model):
     assert min(_relative_error(wrong[name], plain[name]) for name in router) > 1e-3
 
 
-@pytest.mark.parametrize("layout", ["ep2", "ep2-dp4-zero2"])
+@pytest.mark.parametrize("layout", ["ep2", "ep2-dp4-zero2", "ep2-cp2-ring-zero2"])
 def test_bf16_trains_with_expert_parallelism(dist_run, layout):
     """bf16 goes through DeepSpeed's BF16 optimizer (ZeRO-0) or ZeRO's bf16 path with the experts' own groups."""
     (fp32,), *_ = run(dist_run, "moe", "single")
