@@ -155,8 +155,8 @@ def test_json_only_and_write_config(tmp_path, capsys):
 
 def test_fused_loss_is_priced_where_zoo_runs_it(tmp_path, capsys):
     """--fused-cross-entropy: the last stage keeps no [tokens, V] logits (fp32 softmax, logits and their gradient
-    around the loss) but the head's gradients and one chunk of logits; ZeRO-3 layouts stay unfused (zoo refuses
-    the fused loss there); --write-config turns it on in the run config."""
+    around the loss) but the head's gradients and one chunk of logits, in every layout (ZeRO-3's too); --write-config
+    turns it on in the run config."""
     from dataclasses import replace
 
     from zoo.plan.estimate import fused_chunk_tokens
@@ -178,8 +178,7 @@ def test_fused_loss_is_priced_where_zoo_runs_it(tmp_path, capsys):
     assert 0 < chunk < tokens
     assert plain.memory["buffers"] - fused.memory["buffers"] == pytest.approx((tokens - chunk) * vocab * (2 + 4))
     rows = plan(fused_job, gpu)
-    assert {e.layout.fused_ce for e in rows} == {True, False}
-    assert all(e.layout.fused_ce == (e.layout.zero < 3) for e in rows)
+    assert all(e.layout.fused_ce for e in rows) and {e.layout.zero for e in rows} == {0, 1, 2, 3}
 
     out = tmp_path / "plan.yaml"
     assert main(["--model", "gpt2-355m", "--gpu", "a100-40g", "--gpus", "8", "--global-batch", "64",

@@ -28,6 +28,8 @@ with context parallelism, s counts this CP rank's positions (s/cp of the sequenc
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import NamedTuple
@@ -760,6 +762,19 @@ def layer_specs(config: GPTConfig, par: ParallelOptions | None = None) -> list:
 CHECKPOINTABLE_LAYERS = ("GPTBlock",)
 
 
+def _whole(weight):
+    """While the fused loss runs: the LM head's weight whole on this rank. ZeRO-3 partitions it again once the model's
+    forward ends, before the loss (which computes the logits) sees it; the loss computes its gradients in its own
+    forward, so the backward needs no weight, and ZeRO-3 reduces the weight's gradient as any other."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    if getattr(weight, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE:
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters([weight])
+    return contextlib.nullcontext()
+
+
 class GPTLoss:
     """Mean next-token cross entropy over the labels that are not ``ignore_index``, from vocab-sharded logits.
 
@@ -779,9 +794,11 @@ class GPTLoss:
     def __call__(self, logits, labels):
         """``logits``: the vocab-sharded logits, or the head's :class:`LMHeadInputs` (fused cross entropy)."""
         if isinstance(logits, LMHeadInputs):
-            total = linear_cross_entropy_sum(logits.hidden, logits.weight, labels, label_smoothing=self.label_smoothing,
-                                             ignore_index=self.ignore_index, vocab_size=self.vocab_size,
-                                             tp_group=self.tp_group)
+            weight = getattr(logits.weight, "ds_param_alias", logits.weight)  # ZeRO-3 hands out an alias
+            with _whole(weight):
+                total = linear_cross_entropy_sum(logits.hidden, weight, labels,
+                                                 label_smoothing=self.label_smoothing, ignore_index=self.ignore_index,
+                                                 vocab_size=self.vocab_size, tp_group=self.tp_group)
         else:
             total = vocab_parallel_cross_entropy(logits, labels, label_smoothing=self.label_smoothing,
                                                  ignore_index=self.ignore_index, vocab_size=self.vocab_size,

@@ -38,7 +38,7 @@ def parse_args(argv=None):
                         "Megatron-LM ran in 2021 (what its published figures measured)")
     p.add_argument("--fused-cross-entropy", action="store_true",
                    help="price the LM head and the loss fused (training.fused_cross_entropy: no [tokens, vocab] logits "
-                        "kept; zoo runs it at ZeRO 0-2, so ZeRO-3 layouts stay unfused); --write-config sets it")
+                        "kept, in every layout); --write-config sets it")
     p.add_argument("--ema-decay", type=float, default=0.0, metavar="D",
                    help="price a weight average (training.ema_decay D: 4 bytes per parameter a rank holds, at ZeRO-3 "
                         "per parameter of its partitions); --write-config sets it")

@@ -27,7 +27,7 @@ class Job:
     dtype: str = "bf16"
     optimizer: str = "adamw"
     attention: str = "flash"  # "flash": zoo's SDPA, no s x s matrix; "unfused": scores stored (Megatron 2021)
-    fused_cross_entropy: bool = False  # training.fused_cross_entropy, in every layout zoo runs it in (ZeRO 0-2)
+    fused_cross_entropy: bool = False  # training.fused_cross_entropy (every layout)
     ema: bool = False  # training.ema_decay > 0: an fp32 average of what the rank holds of the weights (zoo.training.ema)
 
 

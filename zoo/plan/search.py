@@ -81,8 +81,7 @@ def _variants(job: Job, fixed: dict, **axes):
             for rc in RECOMPUTE:
                 if rc == "selective" and job.attention != "unfused":
                     continue
-                # zoo runs the fused loss at ZeRO 0-2 (at ZeRO-3 the head's weight is re-partitioned under it)
-                lay = Layout(**axes, zero=zero, sp=sp, recompute=rc, fused_ce=job.fused_cross_entropy and zero < 3)
+                lay = Layout(**axes, zero=zero, sp=sp, recompute=rc, fused_ce=job.fused_cross_entropy)
                 if all(getattr(lay, k) == v for k, v in fixed.items()):
                     yield lay
 

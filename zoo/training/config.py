@@ -375,10 +375,6 @@ def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = N
         if cfg.model.family != "gpt":
             raise ConfigError(f"training.fused_cross_entropy is for the gpt family (its LM head), not "
                               f"{cfg.model.family!r}; remove it")
-        if par.zero_stage == 3:
-            raise ConfigError("training.fused_cross_entropy does not work with ZeRO-3 (the loss uses the LM head's "
-                              "weight after the head's forward, when ZeRO-3 has partitioned it again); use "
-                              "parallel.zero_stage 0-2 or training.fused_cross_entropy: false")
     if isinstance(tr.ema_decay, bool) or not isinstance(tr.ema_decay, (int, float)) or not 0 <= tr.ema_decay < 1:
         raise ConfigError(f"training.ema_decay must be a number in [0, 1) (0: no average; e.g. 0.999), got "
                           f"{tr.ema_decay!r}")
