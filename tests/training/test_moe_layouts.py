@@ -45,8 +45,13 @@ LAYOUTS = {  # name: (world size, overrides)
     "cp2-ring-tp2-sp-zero1": (4, ["parallel.cp=2", "parallel.cp_algorithm=ring", "parallel.tp=2",
                                   "parallel.sequence_parallel=true", "parallel.zero_stage=1"]),
     "cp2-pp2-zero1": (4, ["parallel.cp=2", "parallel.pp=2", "parallel.zero_stage=1"]),
+    # with the fused LM head + loss (under ZeRO-3 it gathers the head's weight itself)
+    "ep2-cp2-fused-zero2": (4, ["parallel.ep=2", "parallel.cp=2", "training.fused_cross_entropy=true",
+                                "parallel.zero_stage=2"]),
+    "cp2-dp2-zero3-fused": (4, ["parallel.cp=2", "parallel.zero_stage=3", "training.fused_cross_entropy=true"]),
 }
-CONTEXT_LAYOUTS = ("ep2-cp2", "ep2-cp2-ring-zero2", "cp2-ring-tp2-sp-zero1", "cp2-pp2-zero1")
+CONTEXT_LAYOUTS = ("ep2-cp2", "ep2-cp2-ring-zero2", "cp2-ring-tp2-sp-zero1", "cp2-pp2-zero1", "ep2-cp2-fused-zero2",
+                   "cp2-dp2-zero3-fused")
 
 
 def _full_grads(engine, grid) -> dict:
@@ -134,7 +139,8 @@ def _relative_error(a, b):
 CASES = [(model, layout) for model in ("moe", "moe-shared") for layout in LAYOUTS if layout not in CONTEXT_LAYOUTS]
 CASES += [("moe-bias", "ep2-dp4-zero2"), ("moe-bias", "ep2-tp2-sp-recompute"), ("moe", "ep2-cp2"),
           ("moe-shared", "ep2-cp2-ring-zero2"), ("moe-shared", "cp2-ring-tp2-sp-zero1"), ("moe-bias", "ep2-cp2"),
-          ("moe-seq", "ep2-cp2"), ("moe-shared", "cp2-pp2-zero1")]
+          ("moe-seq", "ep2-cp2"), ("moe-shared", "cp2-pp2-zero1"), ("moe-shared", "ep2-cp2-fused-zero2"),
+          ("moe-shared", "cp2-dp2-zero3-fused")]
 
 
 @pytest.mark.parametrize("model,layout", CASES)
