@@ -36,7 +36,7 @@ from pathlib import Path
 
 from zoo.finetune.common import add_finetune_flags, run_config
 from zoo.training.config import ConfigError, RunConfig, validate
-from zoo.training.run import RunParser, command, process_group, say, start_run, train_and_save
+from zoo.training.run import RunParser, command, layout_line, process_group, say, start_run, train_and_save
 from zoo.training.train import resume_plan
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "bert" / "classify.yaml"
@@ -200,9 +200,8 @@ def run(args, cfg: RunConfig, model_cfg, resume, universal: bool, names: list, k
             f"max_position_embeddings {model_cfg.max_position_embeddings}) to keep them whole")
         start_run(cfg, grid, f"zoo fine-tune ({FAMILY}) of {tr.init_from or 'a random ' + str(cfg.model.preset)}: "
                              f"{model_cfg.num_parameters('classification') / 1e6:.2f}M parameters | {len(names)} "
-                             f"labels {[str(n) for n in names[:10]]} | tp={grid.tp} pp={grid.pp} dp={grid.dp} "
-                             f"zero={cfg.parallel.zero_stage} | global batch {cfg.global_batch_size} x "
-                             f"{tr.seq_length} tokens | {tr.precision} | {data['examples'] - data['valid_examples']} "
+                             f"labels {[str(n) for n in names[:10]]} | {layout_line(cfg, grid)} | global batch "
+                             f"{cfg.global_batch_size} x {tr.seq_length} tokens | {tr.precision} | {data['examples'] - data['valid_examples']} "
                              f"training, {data['valid_examples']} validation examples", warning)
         if tr.init_from is not None and resume is None:
             tr.init_from = str(prepare_init_folder(cfg, model_cfg, kind, grid, say))

@@ -23,7 +23,8 @@ import torch
 from zoo.data.instruct import InstructData, InstructError, load_instruct_data
 from zoo.finetune.common import add_finetune_flags, run_config
 from zoo.training.config import ConfigError, RunConfig, validate
-from zoo.training.run import RunParser, command, loss_change, process_group, say, start_run, train_and_save
+from zoo.training.run import (RunParser, command, layout_line, loss_change, process_group, say, start_run,
+                              train_and_save)
 from zoo.training.train import resume_plan
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gpt" / "finetune.yaml"
@@ -135,7 +136,7 @@ def run(args, cfg: RunConfig, model_cfg, resume, universal: bool, data: Instruct
             f"were truncated ({data.emptied} of them lost every response token and train nothing); raise "
             f"training.seq_length to keep them whole")
         start_run(cfg, grid, f"zoo fine-tune of {tr.init_from}: {model_cfg.num_parameters() / 1e6:.2f}M parameters | "
-                             f"tp={grid.tp} pp={grid.pp} dp={grid.dp} zero={cfg.parallel.zero_stage} | global batch "
+                             f"{layout_line(cfg, grid)} | global batch "
                              f"{cfg.global_batch_size} x {tr.seq_length} tokens | {tr.precision} | {data.summary()}",
                   warning)
         result = train_and_save(cfg, model_cfg, grid, Data(data.train, data.valid, cfg.data.tokenizer),

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from zoo.finetune.common import add_finetune_flags, run_config
 from zoo.training.config import ConfigError, RunConfig, validate
-from zoo.training.run import RunParser, command, loss_change, process_group, say, start_run, train_and_save
+from zoo.training.run import (RunParser, command, layout_line, loss_change, process_group, say, start_run,
+                              train_and_save)
 from zoo.training.train import resume_plan
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "unet" / "segmentation.yaml"
@@ -103,7 +104,7 @@ def run(args, cfg: RunConfig, model_cfg, resume, universal: bool) -> int:
         n_valid = 0 if data.valid is None else len(data.valid)
         start_run(cfg, grid, f"zoo fine-tune of {tr.init_from}: unet-segmentation "
                              f"{num_parameters(model_cfg) / 1e6:.2f}M parameters, {model_cfg.classes} classes | "
-                             f"tp={grid.tp} pp={grid.pp} dp={grid.dp} zero={cfg.parallel.zero_stage} | global batch "
+                             f"{layout_line(cfg, grid)} | global batch "
                              f"{cfg.global_batch_size} | {tr.precision} | {len(data.train)} training pairs, "
                              f"{n_valid} validation pairs")
         result = train_and_save(cfg, model_cfg, grid, data, resume=resume, universal=universal)

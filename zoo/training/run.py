@@ -149,6 +149,13 @@ def process_group(cfg: RunConfig):
         destroy_model_parallel()
 
 
+def layout_line(cfg: RunConfig, grid) -> str:
+    """``tp=2 pp=1 dp=2 [cp=2 (ring)] [ep=2] zero=1``: the run's layout for its first log line."""
+    cp = f" cp={grid.cp} ({cfg.parallel.cp_algorithm})" if grid.cp > 1 else ""
+    ep = f" ep={grid.ep}" if grid.ep > 1 else ""
+    return f"tp={grid.tp} pp={grid.pp} dp={grid.dp}{cp}{ep} zero={cfg.parallel.zero_stage}"
+
+
 def start_run(cfg: RunConfig, grid, banner: str, warning: str | None = None) -> None:
     """Global rank 0: the run's first line (and a warning on stderr), then ``<out>/config.yaml``, the run config
     as resolved."""

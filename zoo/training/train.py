@@ -33,7 +33,8 @@ import torch.distributed as dist
 from zoo.data.batches import context_parallel_share, micro_batch, to_device
 from zoo.training.config import ConfigError, RunConfig, deepspeed_config, load, validate
 from zoo.training.families import Data, get_family
-from zoo.training.run import RunParser, command, loss_change, process_group, say, start_run, train_and_save
+from zoo.training.run import (RunParser, command, layout_line, loss_change, process_group, say, start_run,
+                              train_and_save)
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gpt" / "main.yaml"
 
@@ -670,10 +671,8 @@ def run(args, cfg: RunConfig, model_cfg, resume, universal: bool) -> int:
         rank0 = grid.rank == 0
         count = model_cfg.num_parameters() if hasattr(model_cfg, "num_parameters") else float("nan")
         per_sample = f" x {cfg.training.seq_length} tokens" if family.unit == "tokens" else ""
-        cp = f" cp={grid.cp} ({cfg.parallel.cp_algorithm})" if grid.cp > 1 else ""
-        start_run(cfg, grid, f"zoo: {cfg.model.family} {count / 1e6:.2f}M parameters | tp={grid.tp} pp={grid.pp} "
-                             f"dp={grid.dp}{cp} " + (f"ep={grid.ep} " if grid.ep > 1 else "") +
-                             f"zero={cfg.parallel.zero_stage} | global batch {cfg.global_batch_size}"
+        start_run(cfg, grid, f"zoo: {cfg.model.family} {count / 1e6:.2f}M parameters | {layout_line(cfg, grid)} | "
+                             f"global batch {cfg.global_batch_size}"
                              f"{per_sample} | {cfg.training.precision} | data: {cfg.data.source}")
         data = build_data(cfg, model_cfg, grid)
         result = train_and_save(cfg, model_cfg, grid, data, resume=resume, universal=universal, keep_metrics=True)
