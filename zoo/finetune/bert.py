@@ -201,8 +201,9 @@ def run(args, cfg: RunConfig, model_cfg, resume, universal: bool, names: list, k
         start_run(cfg, grid, f"zoo fine-tune ({FAMILY}) of {tr.init_from or 'a random ' + str(cfg.model.preset)}: "
                              f"{model_cfg.num_parameters('classification') / 1e6:.2f}M parameters | {len(names)} "
                              f"labels {[str(n) for n in names[:10]]} | {layout_line(cfg, grid)} | global batch "
-                             f"{cfg.global_batch_size} x {tr.seq_length} tokens | {tr.precision} | {data['examples'] - data['valid_examples']} "
-                             f"training, {data['valid_examples']} validation examples", warning)
+                             f"{cfg.global_batch_size} x {tr.seq_length} tokens | {tr.precision} | "
+                             f"{data['examples'] - data['valid_examples']} training, {data['valid_examples']} "
+                             f"validation examples", warning)
         if tr.init_from is not None and resume is None:
             tr.init_from = str(prepare_init_folder(cfg, model_cfg, kind, grid, say))
         train_and_save(cfg, model_cfg, grid, Data(data["train"], data["valid"], cfg.data.tokenizer), resume=resume,
