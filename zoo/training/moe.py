@@ -18,8 +18,9 @@ With context parallelism every rank's gradient is cp times its share (``GPTLoss`
 DeepSpeed 0.19.8 divides by its data-parallel size in every path zoo uses: ZeRO-0
 (``DeepSpeedEngine._reduce_expert_gradients``: the world size of ``groups._get_data_parallel_group()``, i.e. the
 mpu's DP group, with or without a pipeline) and ZeRO-1/2 (``average_tensor`` divides the whole bucket by the DP
-group's size before reducing expert slices over EDP). :func:`check_expert_gradient_divisor` refuses an engine whose divisor is not that, and
-tests/training/test_moe_layouts.py compares every expert gradient with the single process.
+group's size before reducing expert slices over EDP). :func:`check_expert_gradient_divisor` refuses an engine
+whose divisor is not that, and tests/training/test_moe_layouts.py compares every expert gradient with the single
+process.
 
 Router losses. ``MoEAuxLossAutoScaler`` seeds the router losses' gradient with ``aux_loss_scale``; it must be what
 the engine multiplies the language-model loss by before backward: 1 / gradient_accumulation_steps
