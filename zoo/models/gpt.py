@@ -29,7 +29,6 @@ with context parallelism, s counts this CP rank's positions (s/cp of the sequenc
 from __future__ import annotations
 
 import contextlib
-
 import math
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import NamedTuple

@@ -112,14 +112,11 @@ def expert_parallel_rank_lists(data_parallel_lists, ep: int, cp: int = 1) -> tup
     ``ParallelGrid`` orders them); the CP ranks hold the same experts, so an EDP group takes the ranks at its place
     in all of them: (dp / ep) x cp ranks."""
     ep_lists, edp_lists = [], []
-    for first in range(0, len(data_parallel_lists), cp):
-        places = None
-        for ranks in data_parallel_lists[first:first + cp]:
-            chunks = [list(ranks[i:i + ep]) for i in range(0, len(ranks), ep)]
-            ep_lists += chunks
-            places = [list(r) for r in zip(*chunks)] if places is None else \
-                [mine + list(r) for mine, r in zip(places, zip(*chunks))]
-        edp_lists += [sorted(r) for r in places]
+    for first in range(0, len(data_parallel_lists), cp):  # one replica's cp lists at a time
+        chunks = [list(ranks[i:i + ep]) for ranks in data_parallel_lists[first:first + cp]
+                  for i in range(0, len(ranks), ep)]
+        ep_lists += chunks
+        edp_lists += [sorted(chunk[place] for chunk in chunks) for place in range(ep)]
     return ep_lists, edp_lists
 
 

@@ -369,19 +369,25 @@ def save_checkpoint(engine, root: Path, step: int, meta: dict, client_state: dic
     return root / tag
 
 
+def _converted(found: Found, out: Path) -> bool:
+    """Whether ``out`` is a finished conversion of ``found`` (one of an earlier zoo could lack the experts of later
+    pipeline stages: it is made again)."""
+    from zoo.training import moe
+
+    experts = [name for name in moe.expert_files(found.root / found.tag) if "/" not in name]
+    return (out / META).is_file() and all((out / "zero" / name / "fp32.pt").is_file() for name in experts)
+
+
 def to_universal(found: Found) -> str:
     """Convert ``found`` to a DeepSpeed universal checkpoint once (global rank 0; others wait); returns its tag."""
     tag = found.tag + UNIVERSAL_SUFFIX
     out = found.root / tag
-    from zoo.training import moe
-
-    # A conversion of an earlier zoo could lack the experts of later pipeline stages: made again.
-    experts = [n for n in moe.expert_files(found.root / found.tag) if "/" not in n] if global_rank() == 0 else []
-    done = (out / META).is_file() and all((out / "zero" / n / "fp32.pt").is_file() for n in experts)
-    if global_rank() == 0 and not done:
+    if global_rank() == 0 and not _converted(found, out):
         import argparse
 
         from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+        from zoo.training import moe
 
         tmp = found.root / f"{tag}.partial"
         shutil.rmtree(tmp, ignore_errors=True)
