@@ -39,7 +39,7 @@ def test_check_layout_with_ep(world, tp, pp, ep, dp):
 def test_ep_that_does_not_divide_dp_fails_with_one_line():
     message = (r"^ep 4 does not divide the data-parallel size 2 \(world size 8 / tp\*pp 4\); expert-parallel groups "
                r"are carved out of the data-parallel ranks: pick ep in \[1, 2\] or launch a multiple of tp\*pp\*ep = 16 "
-               r"processes$")
+               r"processes, or set parallel.ep_spans_tp: true \(EP groups over the TP ranks too\)$")
     with pytest.raises(LayoutError, match=message) as e:
         check_layout(8, 2, 2, 4)
     assert "\n" not in str(e.value)
@@ -196,6 +196,43 @@ def test_expert_data_parallel_groups_take_in_the_context_ranks(world, tp, cp, ep
             assert any(set(ranks[d * cp:(d + 1) * cp]) <= set(g) for g in edps)
     if (world, tp, cp, ep) == (4, 1, 2, 2):  # the example in zoo/parallel/topology.py's docstring
         assert sorted(ep_lists) == [[0, 2], [1, 3]] and sorted(edp_lists) == [[0, 1], [2, 3]]
+
+
+@pytest.mark.parametrize("world,tp,pp,cp,ep", [(2, 2, 1, 1, 2), (4, 2, 1, 1, 4), (8, 2, 1, 1, 2), (8, 2, 2, 1, 4),
+                                              (8, 2, 1, 2, 2), (16, 2, 1, 2, 4), (16, 4, 1, 1, 8)])
+def test_expert_groups_spanning_tp(world, tp, pp, cp, ep):
+    """``ep_spans_tp``: an EP group is ep / tp data-parallel places of one stage and CP rank, each with its whole TP
+    group, and an EDP group the ranks of one stage and TP rank at the same place of their EP groups: every rank in
+    one of each, EP x EDP the stage's ranks."""
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    dp = world // (tp * pp * cp)
+    topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp * cp)
+    data_lists = topology.get_axis_comm_lists("data")
+    dp_lists = [ranks[c::cp] for ranks in data_lists for c in range(cp)]  # as ParallelGrid carves them
+    ep_lists, edp_lists = expert_parallel_rank_lists(dp_lists, ep, cp, tp)
+    coord = {r: topology.get_coord(r) for r in range(world)}  # (pipe, data = dp x cp + cp rank, model)
+    assert sorted(r for g in ep_lists for r in g) == list(range(world)) == sorted(r for g in edp_lists for r in g)
+    for g in ep_lists:
+        assert len(g) == ep and len({coord[r].pipe for r in g}) == 1 and len({coord[r].data % cp for r in g}) == 1
+        for r in g:  # whole TP groups, TP rank fastest: EP rank = place x tp + TP rank
+            assert {s for s in range(world) if (coord[s].pipe, coord[s].data) == (coord[r].pipe, coord[r].data)} <= set(g)
+            assert g.index(r) % tp == coord[r].model
+    for g in edp_lists:
+        assert len(g) == dp * tp * cp // ep and len({(coord[r].pipe, coord[r].model) for r in g}) == 1
+        assert all(len(set(g) & set(e)) <= 1 for e in ep_lists)
+    if (world, tp, pp, cp, ep) == (8, 2, 1, 1, 2):
+        assert sorted(ep_lists) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+        assert sorted(edp_lists) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+
+def test_ep_spanning_tp_layout_errors_name_the_fix():
+    assert check_layout(8, 2, 1, 4, ep_spans_tp=True) == 4  # ep / tp = 2 divides dp 4
+    with pytest.raises(LayoutError, match=r"^ep 3 is not a multiple of tp 2: .* pick ep in \[2, 4, 8\]$"):
+        check_layout(8, 2, 1, 3, ep_spans_tp=True)
+    with pytest.raises(LayoutError, match=r"^ep / tp = 4 does not divide the data-parallel size 2 .* pick ep in "
+                                          r"\[2, 4\]$"):
+        check_layout(8, 2, 2, 8, ep_spans_tp=True)
 
 
 def no_context_group_case():

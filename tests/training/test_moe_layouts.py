@@ -49,7 +49,20 @@ LAYOUTS = {  # name: (world size, overrides)
     "ep2-cp2-fused-zero2": (4, ["parallel.ep=2", "parallel.cp=2", "training.fused_cross_entropy=true",
                                 "parallel.zero_stage=2"]),
     "cp2-dp2-zero3-fused": (4, ["parallel.cp=2", "parallel.zero_stage=3", "training.fused_cross_entropy=true"]),
+    # EP spanning TP ("parallel folding"): the TP ranks hold different experts (ZeRO-0: zoo's own norm; ZeRO-1/2:
+    # DeepSpeed's, which counts them on every TP rank as model-parallel parameters)
+    "ep2-tp2-spans": (2, ["parallel.ep=2", "parallel.tp=2", "parallel.ep_spans_tp=true"]),
+    "ep4-tp2-spans-sp-zero1": (4, ["parallel.ep=4", "parallel.tp=2", "parallel.ep_spans_tp=true",
+                                   "parallel.sequence_parallel=true", "parallel.zero_stage=1"]),
+    "ep2-tp2-dp2-spans-zero2": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.ep_spans_tp=true",
+                                    "parallel.zero_stage=2"]),  # experts' ZeRO partitions over the EDP = dp ranks
+    "ep2-tp2-pp2-spans-sp": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.pp=2", "parallel.ep_spans_tp=true",
+                                 "parallel.sequence_parallel=true"]),
+    "ep2-tp2-cp2-spans-zero1": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.cp=2", "parallel.ep_spans_tp=true",
+                                    "parallel.zero_stage=1"]),
 }
+SPANS_LAYOUTS = ("ep2-tp2-spans", "ep4-tp2-spans-sp-zero1", "ep2-tp2-dp2-spans-zero2", "ep2-tp2-pp2-spans-sp",
+                 "ep2-tp2-cp2-spans-zero1")
 CONTEXT_LAYOUTS = ("ep2-cp2", "ep2-cp2-ring-zero2", "cp2-ring-tp2-sp-zero1", "cp2-pp2-zero1", "ep2-cp2-fused-zero2",
                    "cp2-dp2-zero3-fused")
 
@@ -83,7 +96,8 @@ def train_case(model, overrides, out):
 
     cfg = load(CONFIG, COMMON + MODELS[model] + list(overrides) + [f"out={out}"])
     model_cfg = validate(cfg, dist.get_world_size())
-    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.cp)
+    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.cp,
+                                     ep_spans_tp=cfg.parallel.ep_spans_tp)
     grads, engines = {}, []
     build_engine = run.build_engine
 
@@ -110,7 +124,12 @@ def train_case(model, overrides, out):
         records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
         metrics = {k: [r[k] for r in records] for k in METRICS}
     biases = {name: b.clone() for name, b in engines[0].module.named_buffers() if name.endswith("expert_bias")}
-    return losses, metrics, grads, biases
+    from zoo.models.moe import GPTMoE
+
+    # Assignments in the last layer call's load (summed over the EP group's replicas): a count, not a ratio.
+    loads = [float(m.last_stats["tokens_per_expert"].sum()) for m in engines[0].module.modules()
+             if isinstance(m, GPTMoE)]
+    return losses, metrics, grads, biases, loads
 
 
 _runs = {}
@@ -125,10 +144,10 @@ def run(dist_run, model, layout, tmp="/tmp/zoo-moe"):
         results = (dist_run.retire if "zero3" in layout else dist_run)(world, train_case, model, overrides,
                                                                         f"{tmp}-{model}-{layout}")
         grads, biases = {}, {}
-        for _, _, g, b in results:
+        for _, _, g, b, _ in results:
             grads.update(g)
             biases.update(b)
-        _runs[key] = ([r[0] for r in results], results[0][1], grads, biases)
+        _runs[key] = ([r[0] for r in results], results[0][1], grads, biases, [r[4] for r in results])
     return _runs[key]
 
 
@@ -136,7 +155,10 @@ def _relative_error(a, b):
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
-CASES = [(model, layout) for model in ("moe", "moe-shared") for layout in LAYOUTS if layout not in CONTEXT_LAYOUTS]
+CASES = [(model, layout) for model in ("moe", "moe-shared") for layout in LAYOUTS
+         if layout not in CONTEXT_LAYOUTS + SPANS_LAYOUTS]
+CASES += [("moe", layout) for layout in SPANS_LAYOUTS] + [("moe-shared", "ep4-tp2-spans-sp-zero1"),
+                                                          ("moe-bias", "ep2-tp2-dp2-spans-zero2")]
 CASES += [("moe-bias", "ep2-dp4-zero2"), ("moe-bias", "ep2-tp2-sp-recompute"), ("moe", "ep2-cp2"),
           ("moe-shared", "ep2-cp2-ring-zero2"), ("moe-shared", "cp2-ring-tp2-sp-zero1"), ("moe-bias", "ep2-cp2"),
           ("moe-seq", "ep2-cp2"), ("moe-shared", "cp2-pp2-zero1"), ("moe-shared", "ep2-cp2-fused-zero2"),
@@ -164,7 +186,7 @@ def test_expert_gradients_match_single_process(dist_run, model, layout):
     assert max(errors.values()) < 1e-5, {name: e for name, e in errors.items() if e >= 1e-5}
 
 
-@pytest.mark.parametrize("layout", ["ep2-dp4-zero2", "ep2-tp2-sp-recompute", "ep2-cp2"])
+@pytest.mark.parametrize("layout", ["ep2-dp4-zero2", "ep2-tp2-sp-recompute", "ep2-cp2", "ep2-tp2-dp2-spans-zero2"])
 def test_expert_bias_steps_like_single_process(dist_run, layout):
     """Every rank holding a layer steps its bias with the load of the whole global batch (all DP ranks, all
     micro-batches), so the biases, which change the routing, stay those of the one-process run."""
@@ -174,6 +196,20 @@ def test_expert_bias_steps_like_single_process(dist_run, layout):
     for name, bias in expected.items():
         assert bias.abs().sum() > 0, f"{name} never moved"
         torch.testing.assert_close(biases[name], bias, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("layout,replicas", [("ep2-tp2-sp-recompute", 2), ("ep2-tp2-spans", 1),
+                                             ("ep4-tp2-spans-sp-zero1", 2), ("ep2-tp2-cp2-spans-zero1", 1)])
+def test_layer_load_counts_each_assignment_once(dist_run, layout, replicas):
+    """A layer's load (``last_stats["tokens_per_expert"]``) holds each of the k assignments of every token of the
+    call once, over the data-parallel replicas of the EP group: micro_batch x seq x k x replicas. An EP group that
+    spans TP holds tp ranks per replica (each routes its share of the tokens); counting them each would give tp
+    times that."""
+    loads = run(dist_run, "moe", layout)[4]
+    micro_batch, seq, k = 2, 32, 2  # COMMON's batch, tiny-moe's experts per token
+    for rank_loads in loads:
+        assert rank_loads, "no MoE layer on this rank"
+        assert rank_loads == [micro_batch * seq * k * replicas] * len(rank_loads)
 
 
 def plain_autograd_grads(model, router_scale_factor=1.0):

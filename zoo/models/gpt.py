@@ -312,6 +312,8 @@ class ParallelOptions:
     sequence_parallel: bool = False
     tp_group: object = field(default=None, repr=False)  # None: the current grid's TP group
     ep_group: object = field(default=None, repr=False)  # expert parallelism (zoo.models.moe); None: no EP
+    # The EP group takes in the TP ranks ("parallel folding"): each TP rank holds other experts (zoo.models.moe).
+    ep_spans_tp: bool = False
     cp_group: object = field(default=None, repr=False)  # context parallelism; None: no CP
     cp_algorithm: str = "ulysses"  # "ulysses" (heads over CP) | "ring" (key/value blocks around CP)
     # The LM head returns LMHeadInputs(hidden, weight) and GPTLoss runs head + loss in token chunks

@@ -48,7 +48,11 @@ statistics are summed over TP. Expert parallel (``ep_group``): rank r holds expe
 tokens sorted by expert go to their experts' ranks with one uneven ``all_to_all`` (its split sizes exchanged
 first, also by ``all_to_all``), each rank runs its experts on the tokens of all source ranks, and a second
 ``all_to_all`` brings the results back. The trainer must not average expert gradients over the EP group (each
-rank's experts already saw every EP rank's tokens) and must keep ``expert_bias`` identical on all ranks. Context
+rank's experts already saw every EP rank's tokens) and must keep ``expert_bias`` identical on all ranks. EP
+spanning TP (``par.ep_spans_tp``, Megatron-Core's "parallel folding"): the EP group holds whole TP groups (TP rank
+fastest), so the TP ranks, which route different tokens, hold different experts instead of the same ones: each TP
+rank's share of the tokens goes straight to the experts' ranks, and the expert weights skip the gradient sum over
+TP (the all-to-all's backward brings every contribution); experts per rank drop by tp at the same ep. Context
 parallel (``cp_group``): each rank holds s/cp positions of every sequence; the router's statistics are summed over
 the CP group too, so the router losses are the whole sequences' on every CP rank, and their gradient is seeded cp
 times (``aux_loss_scale x cp``), because the trainer averages gradients over CP (as ``GPTLoss``'s convention).
@@ -318,6 +322,12 @@ class GPTMoE(nn.Module):
         self.cp_world_size = group_rank_and_size(self.cp_group)[1]
         self.tp_rank, self.tp_world_size = group_rank_and_size(self.tp_group)
         self.ep_rank, self.ep_world_size = group_rank_and_size(self.ep_group)
+        # EP spanning TP: the ranks of a TP group hold different experts, which see their tokens through the
+        # all-to-all alone (no gradient sum over TP); the tp x (ep / tp) EP ranks count each token tp times.
+        self.ep_spans_tp = par.ep_spans_tp and self.tp_world_size > 1 and self.ep_world_size > 1
+        if self.ep_spans_tp and self.ep_world_size % self.tp_world_size:
+            raise ValueError(f"an EP group spanning TP needs ep ({self.ep_world_size}) a multiple of tp "
+                             f"({self.tp_world_size})")
         self.sequence_parallel = par.sequence_parallel
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
         init = init_method_normal(config.initializer_range)
@@ -327,6 +337,9 @@ class GPTMoE(nn.Module):
         self.experts = GroupedExperts(config.num_experts, config.hidden_size, config.expert_intermediate_size,
                                       swiglu=swiglu, ep_rank=self.ep_rank, ep_size=self.ep_world_size,
                                       init_method=init, output_init_method=output_init)
+        if self.ep_spans_tp:  # DeepSpeed's norms count a parameter on every TP rank only if it is model-parallel
+            for p in self.experts.parameters():
+                p.model_parallel = True
         self.shared_expert = self.shared_expert_gate = None
         if config.num_shared_experts:
             self.shared_expert = SharedExpert(config.hidden_size, config.shared_intermediate_size, swiglu=swiglu,
@@ -377,6 +390,8 @@ class GPTMoE(nn.Module):
                                            device=x.device), group, self.cp_group)
             load = torch.cat([route.tokens_per_expert, drops])  # the router's counts are already over TP and CP
             load = _sum_over(load, self.ep_group if self.ep_world_size > 1 else None)
+            if self.ep_spans_tp:  # the EP group held each replica's (TP-summed) load once per TP rank
+                load = load / self.tp_world_size
         self.last_stats = dict(aux_loss=route.aux_loss.detach(), z_loss=route.z_loss.detach(),
                                tokens_per_expert=load[: self.num_experts], dropped_fraction=load[-2] / load[-1])
         return y
@@ -405,6 +420,8 @@ class GPTMoE(nn.Module):
         ep, E_l = self.ep_world_size, self.experts.num_local_experts
         if ep == 1:
             return self.experts(x, counts.tolist(), group)
+        if self.ep_spans_tp:  # these experts differ from the other TP ranks': their gradient is not summed over TP
+            group = None
         counts = counts.view(ep, E_l)  # [destination rank, its local expert]
         recv_counts = all_to_all(counts, [1] * ep, [1] * ep, self.ep_group)  # [source rank, my local expert]
         send_splits, recv_splits = counts.sum(1).tolist(), recv_counts.sum(1).tolist()

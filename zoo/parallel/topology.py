@@ -81,8 +81,10 @@ class LayoutError(ValueError):
     """A parallel layout that cannot be built; the message is one line naming the numbers and the fix."""
 
 
-def check_layout(world_size: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1) -> int:
-    """Validate a (world size, tp, pp, ep, cp) layout and return the (true) data-parallel size."""
+def check_layout(world_size: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, ep_spans_tp: bool = False) -> int:
+    """Validate a (world size, tp, pp, ep, cp) layout and return the (true) data-parallel size. ``ep_spans_tp``:
+    the EP groups take in the TP ranks (Megatron-Core's MoE "parallel folding"), so tp must divide ep and ep / tp
+    the data-parallel size."""
     for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("world size", world_size)):
         if not isinstance(value, int) or value < 1:
             raise LayoutError(f"{name} must be a positive integer, got {value!r}")
@@ -94,6 +96,16 @@ def check_layout(world_size: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int
             f"launch a multiple of {tp * pp} processes or pick tp*pp in {divisors}"
         )
     dp = world_size // (tp * pp * cp)
+    if ep_spans_tp:
+        if ep % tp:
+            raise LayoutError(f"ep {ep} is not a multiple of tp {tp}: with parallel.ep_spans_tp each EP group holds "
+                              f"whole TP groups; pick ep in {[tp * d for d in range(1, dp + 1) if dp % d == 0]}")
+        if dp % (ep // tp):
+            divisors = [tp * d for d in range(1, dp + 1) if dp % d == 0]
+            raise LayoutError(f"ep / tp = {ep // tp} does not divide the data-parallel size {dp} (world size "
+                              f"{world_size} / tp*pp {tp * pp}" + (f" / cp {cp}" if cp > 1 else "")
+                              + f"); with parallel.ep_spans_tp pick ep in {divisors}")
+        return dp
     if dp % ep:
         divisors = [d for d in range(1, dp + 1) if dp % d == 0]
         raise LayoutError(
@@ -101,20 +113,26 @@ def check_layout(world_size: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int
             + (f" / cp {cp}" if cp > 1 else "") + "); expert-parallel groups are carved out of the data-parallel "
             f"ranks: pick ep in {divisors} or launch a multiple of {'tp*cp*pp*ep' if cp > 1 else 'tp*pp*ep'} = "
             f"{tp * pp * ep * cp} processes"
+            + (", or set parallel.ep_spans_tp: true (EP groups over the TP ranks too)"
+               if tp > 1 and ep % tp == 0 and dp % (ep // tp) == 0 else "")
         )
     return dp
 
 
-def expert_parallel_rank_lists(data_parallel_lists, ep: int, cp: int = 1) -> tuple[list, list]:
+def expert_parallel_rank_lists(data_parallel_lists, ep: int, cp: int = 1, tp: int = 1) -> tuple[list, list]:
     """(EP groups, EDP groups) as rank lists: each data-parallel group cut into consecutive chunks of ep ranks,
     and the ranks at the same place of those chunks (DeepSpeed's ``_get_expert_parallel_ranks``). With cp > 1 the
     lists are the true data-parallel groups, each run of ``cp`` of them one replica's CP ranks (as
     ``ParallelGrid`` orders them); the CP ranks hold the same experts, so an EDP group takes the ranks at its place
-    in all of them: (dp / ep) x cp ranks."""
+    in all of them: (dp / ep) x cp ranks. With ``tp`` > 1 (EP spanning TP, "parallel folding"; the lists of one
+    pipeline stage ordered by TP rank, each with its run of cp) an EP group is ep / tp data-parallel places, each
+    with all its TP ranks (TP rank fastest), and the EDP groups are (dp tp / ep) x cp ranks."""
     ep_lists, edp_lists = [], []
-    for first in range(0, len(data_parallel_lists), cp):  # one replica's cp lists at a time
-        chunks = [list(ranks[i:i + ep]) for ranks in data_parallel_lists[first:first + cp]
-                  for i in range(0, len(ranks), ep)]
+    per_tp = ep // tp  # data-parallel places per EP group
+    for first in range(0, len(data_parallel_lists), tp * cp):  # one pipeline stage's (tp, cp) lists at a time
+        block = data_parallel_lists[first:first + tp * cp]
+        chunks = [[block[t * cp + c][j + i] for i in range(per_tp) for t in range(tp)]
+                  for c in range(cp) for j in range(0, len(block[c]), per_tp)]
         ep_lists += chunks
         edp_lists += [sorted(chunk[place] for chunk in chunks) for place in range(ep)]
     return ep_lists, edp_lists
@@ -204,7 +222,7 @@ class _Axis:
 class ParallelGrid:
     """Process groups and ranks of one (tp, pp, dp, ep, cp) layout; also DeepSpeed's ``mpu`` interface."""
 
-    def __init__(self, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1):
+    def __init__(self, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, ep_spans_tp: bool = False):
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
         _EVERY_GRID.add(self)
@@ -212,8 +230,9 @@ class ParallelGrid:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized; call zoo.parallel.topology.init_distributed() first")
         world_size = dist.get_world_size()
-        self.tp, self.pp, self.ep, self.dp = tp, pp, ep, check_layout(world_size, tp, pp, ep, cp)
+        self.tp, self.pp, self.ep, self.dp = tp, pp, ep, check_layout(world_size, tp, pp, ep, cp, ep_spans_tp)
         self.cp = cp
+        self.ep_spans_tp = ep_spans_tp and tp > 1 and ep > 1  # the experts of one TP group's ranks differ
         self.world_size = world_size
         self.rank = dist.get_rank()
         self.topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=self.dp * cp)
@@ -227,7 +246,7 @@ class ParallelGrid:
         self._data = self._dp  # DeepSpeed's data axis: dp x cp
         self._cp, self._dp, dp_lists = self._build_context_axes()
         if ep > 1:  # experts split over ranks that see different samples: the true data-parallel groups
-            ep_lists, edp_lists = expert_parallel_rank_lists(dp_lists, ep, cp)
+            ep_lists, edp_lists = expert_parallel_rank_lists(dp_lists, ep, cp, tp if self.ep_spans_tp else 1)
             self._ep = self._build_axis(ep_lists)
             self._edp = self._build_axis(edp_lists)
             self.register_expert_groups()
@@ -378,7 +397,7 @@ _EVERY_GRID: "weakref.WeakSet[ParallelGrid]" = weakref.WeakSet()  # also those a
 
 
 def initialize_model_parallel(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
-                              timeout_minutes: float | None = None) -> ParallelGrid:
+                              timeout_minutes: float | None = None, ep_spans_tp: bool = False) -> ParallelGrid:
     """Build (or reuse) the grid for this layout and make it the default for layers built afterwards.
 
     Starts torch.distributed first when needed (with ``timeout_minutes`` for every collective, if given), so it
@@ -386,14 +405,14 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1
     """
     global _CURRENT
     if dist.is_available() and dist.is_initialized():
-        check_layout(dist.get_world_size(), tp, pp, ep, cp)
+        check_layout(dist.get_world_size(), tp, pp, ep, cp, ep_spans_tp)
     else:
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        check_layout(world, tp, pp, ep, cp)
+        check_layout(world, tp, pp, ep, cp, ep_spans_tp)
         init_distributed(timeout_minutes)
-    key = (tp, pp, ep, cp)
+    key = (tp, pp, ep, cp, ep_spans_tp and tp > 1 and ep > 1)
     if key not in _GRIDS:
-        _GRIDS[key] = ParallelGrid(tp, pp, ep, cp)
+        _GRIDS[key] = ParallelGrid(tp, pp, ep, cp, ep_spans_tp)
     _CURRENT = _GRIDS[key]
     _CURRENT.register_expert_groups()  # another grid with this ep may have registered its own groups since
     return _CURRENT

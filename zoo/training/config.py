@@ -51,6 +51,8 @@ class ParallelSection:
     tp: int = 1
     pp: int = 1
     ep: int = 1  # expert parallel (mixture-of-experts models): experts split over groups of ep data-parallel ranks
+    # the EP groups take in the TP ranks (Megatron-Core's "parallel folding"): ep = tp x (data-parallel ranks)
+    ep_spans_tp: bool = False
     zero_stage: int = 0
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
@@ -320,15 +322,20 @@ def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = N
     if par.ep > 1 and not moe:
         raise ConfigError(f"parallel.ep {par.ep} needs a mixture-of-experts model (model.num_experts > 0, e.g. "
                           f"model.preset: tiny-moe); use ep 1 for a dense model")
+    if not isinstance(par.ep_spans_tp, bool):
+        raise ConfigError(f"parallel.ep_spans_tp must be true or false, got {par.ep_spans_tp!r}")
+    if par.ep_spans_tp and not moe:
+        raise ConfigError("parallel.ep_spans_tp needs a mixture-of-experts model (model.num_experts > 0); leave it "
+                          "false for a dense model")
     try:
-        check_layout(world_size, par.tp, par.pp, par.ep)  # ep must divide dp
+        check_layout(world_size, par.tp, par.pp, par.ep, ep_spans_tp=par.ep_spans_tp)  # ep divides dp (x tp)
         model.check_layout(par.tp, par.pp, **({"ep": par.ep} if moe else {}))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     validate_context_parallel(cfg, model, world_size)
     if par.cp > 1 and par.ep > 1:
         try:
-            check_layout(world_size, par.tp, par.pp, par.ep, par.cp)  # ep divides the true dp: world / (tp cp pp)
+            check_layout(world_size, par.tp, par.pp, par.ep, par.cp, par.ep_spans_tp)  # the true dp: world/(tp cp pp)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if par.zero_stage not in (0, 1, 2, 3):

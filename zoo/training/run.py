@@ -37,6 +37,9 @@ class RunParser(argparse.ArgumentParser):
         self.add_argument("--tp", type=int, help="tensor-parallel size")
         self.add_argument("--pp", type=int, help="pipeline-parallel size")
         self.add_argument("--ep", type=int, help="expert-parallel size (mixture-of-experts models; must divide dp)")
+        self.add_argument("--ep-spans-tp", action="store_const", const="true", default=None,
+                          help="MoE: the EP groups take in the TP ranks (parallel folding; ep a multiple of tp, "
+                               "ep / tp dividing dp; parallel.ep_spans_tp: true)")
         self.add_argument("--cp", type=int, help="context-parallel size: each sequence split over cp ranks (GPT)")
         self.add_argument("--cp-algorithm", choices=["ulysses", "ring"],
                           help="context-parallel attention: ulysses (all-to-all over heads, the default) or ring")
@@ -142,7 +145,8 @@ def process_group(cfg: RunConfig):
     from zoo.parallel.topology import destroy_model_parallel, initialize_model_parallel
 
     grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.cp,
-                                     timeout_minutes=cfg.training.collective_timeout_minutes)
+                                     timeout_minutes=cfg.training.collective_timeout_minutes,
+                                     ep_spans_tp=cfg.parallel.ep_spans_tp)
     try:
         yield grid
     finally:
@@ -152,7 +156,7 @@ def process_group(cfg: RunConfig):
 def layout_line(cfg: RunConfig, grid) -> str:
     """``tp=2 pp=1 dp=2 [cp=2 (ring)] [ep=2] zero=1``: the run's layout for its first log line."""
     cp = f" cp={grid.cp} ({cfg.parallel.cp_algorithm})" if grid.cp > 1 else ""
-    ep = f" ep={grid.ep}" if grid.ep > 1 else ""
+    ep = f" ep={grid.ep}" + (" (spans tp)" if grid.ep_spans_tp else "") if grid.ep > 1 else ""
     return f"tp={grid.tp} pp={grid.pp} dp={grid.dp}{cp}{ep} zero={cfg.parallel.zero_stage}"
 
 

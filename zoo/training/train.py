@@ -109,14 +109,16 @@ def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False, init_
     par, tr = cfg.parallel, cfg.training
     family = get_family(cfg.model.family)
     configure_activation_checkpointing(grid)
-    if par.ep != grid.ep:
-        raise ValueError(f"parallel.ep is {par.ep} but the grid was built with ep={grid.ep}; build it with "
-                         f"initialize_model_parallel(tp, pp, ep)")
+    if par.ep != grid.ep or (par.ep_spans_tp and grid.tp > 1 and grid.ep > 1) != grid.ep_spans_tp:
+        raise ValueError(f"parallel.ep is {par.ep} (ep_spans_tp {par.ep_spans_tp}) but the grid was built with "
+                         f"ep={grid.ep} (ep_spans_tp {grid.ep_spans_tp}); build it with "
+                         f"initialize_model_parallel(tp, pp, ep, ep_spans_tp=...)")
     expert_parallel = grid.ep > 1
     # Context parallelism (GPT only, config.validate_context_parallel): the layers and the loss get the CP group.
     context = {"cp_group": grid.cp_group, "cp_algorithm": par.cp_algorithm} if grid.cp > 1 else {}
     specs = family.layer_specs(model_cfg, par.sequence_parallel, **context,
                                **({"ep_group": grid.ep_group} if expert_parallel else {}),
+                               **({"ep_spans_tp": True} if grid.ep_spans_tp else {}),
                                **({"fused_cross_entropy": True} if tr.fused_cross_entropy else {}))
     loss_fn = family.loss(model_cfg, **({"cp_group": grid.cp_group} if grid.cp > 1 else {}))
     if grid.pp > 1:
@@ -448,7 +450,7 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
             yield local_micro_batch(data.train, step, m, cfg, grid, device)
 
     metrics = MetricsWriter(out, grid.rank == 0, resume_step=start if resume is not None else None, cfg=cfg)
-    meta = {"layout": {"tp": grid.tp, "pp": grid.pp, "dp": grid.dp, "ep": grid.ep,
+    meta = {"layout": {"tp": grid.tp, "pp": grid.pp, "dp": grid.dp, "ep": grid.ep, "ep_spans_tp": grid.ep_spans_tp,
                        "zero_stage": cfg.parallel.zero_stage, "cp": grid.cp},
             "global_batch_size": cfg.global_batch_size, "seq_length": tr.seq_length,
             "model": model_cfg.to_dict(), "tokenizer": data.tokenizer_dir}
@@ -601,7 +603,8 @@ def parse_args(argv=None):
 
 def config_from_args(args) -> RunConfig:
     overrides = list(args.set)
-    for flag, key in (("tp", "parallel.tp"), ("pp", "parallel.pp"), ("ep", "parallel.ep"), ("cp", "parallel.cp"),
+    for flag, key in (("tp", "parallel.tp"), ("pp", "parallel.pp"), ("ep", "parallel.ep"), ("ep_spans_tp", "parallel.ep_spans_tp"),
+                      ("cp", "parallel.cp"),
                       ("cp_algorithm", "parallel.cp_algorithm"), ("zero", "parallel.zero_stage"),
                       ("compile", "training.compile"), ("fused_cross_entropy", "training.fused_cross_entropy"),
                       ("steps", "training.steps"), ("eval_interval", "training.eval_interval"),
@@ -644,7 +647,9 @@ def resume_plan(cfg: RunConfig, model_cfg, args):
                           f"{cfg.global_batch_size} x {cfg.training.seq_length}; keep them to resume the same data "
                           f"order")
     old, par = meta["layout"], cfg.parallel
-    same_model_layout = (old["tp"], old["pp"], old.get("ep", 1)) == (par.tp, par.pp, par.ep)
+    spans = par.ep_spans_tp and par.tp > 1 and par.ep > 1  # as ParallelGrid.ep_spans_tp
+    same_model_layout = ((old["tp"], old["pp"], old.get("ep", 1), old.get("ep_spans_tp", False))
+                         == (par.tp, par.pp, par.ep, spans))
     # DeepSpeed partitions ZeRO states over dp x cp (zoo.parallel.topology): a cp change is a dp change to it.
     zero_same = old["zero_stage"] == par.zero_stage and (old["zero_stage"] == 0 or
                                                          old["dp"] * old.get("cp", 1) == cfg.dp * par.cp)

@@ -55,14 +55,15 @@ class GPTFamily(Family):
         hf_to_zoo(src, out)
 
     def layer_specs(self, config, sequence_parallel, ep_group=None, cp_group=None, cp_algorithm="ulysses",
-                    fused_cross_entropy=False):
+                    fused_cross_entropy=False, ep_spans_tp=False):
         """With ``cp_group`` (context parallelism): each layer holds this CP rank's ``[b, s/cp, h]`` (also what a
         pipeline stage sends), attention by ``cp_algorithm``; with ``ep_group``: each MoE layer holds its share of
-        the experts; with ``fused_cross_entropy`` the head hands the loss its input and weight (no logits)."""
+        the experts (``ep_spans_tp``: the EP group takes in the TP ranks); with ``fused_cross_entropy`` the head
+        hands the loss its input and weight (no logits)."""
         from zoo.models.gpt import ParallelOptions, layer_specs
 
         return layer_specs(config, ParallelOptions(sequence_parallel=sequence_parallel, ep_group=ep_group,
-                                                   cp_group=cp_group, cp_algorithm=cp_algorithm,
+                                                   ep_spans_tp=ep_spans_tp, cp_group=cp_group, cp_algorithm=cp_algorithm,
                                                    fused_cross_entropy=fused_cross_entropy))
 
     def loss(self, config, cp_group=None):
