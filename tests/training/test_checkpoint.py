@@ -39,7 +39,8 @@ def run_case(overrides, out, resume_step=None, universal=False):
 
     cfg = load(CONFIG, COMMON + list(overrides) + [f"out={out}"])
     model_cfg = validate(cfg, dist.get_world_size())
-    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.cp)
+    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.cp,
+                                     ep_spans_tp=cfg.parallel.ep_spans_tp)
     resume = find_checkpoint(out, resume_step) if resume_step is not None else None
     return train(cfg, model_cfg, grid, log=lambda s: None, resume=resume, universal=universal)
 
@@ -176,6 +177,24 @@ def test_expert_parallel_checkpoints_resume_in_place_and_at_another_ep(dist_run,
         resumed = dist_run(2, run_case, moe + ["parallel.zero_stage=1", loaded, "training.save=false"], out, 3,
                            True)[0]
         torch.testing.assert_close(resumed[0], full[3], rtol=1e-5, atol=0, msg=f"{name}: next loss")
+
+
+def test_checkpoints_of_ep_spanning_tp_resume_in_place_and_unfolded(dist_run, tmp_path):
+    """tp 2 x ep 2 with the EP group spanning TP (each TP rank its own experts), ZeRO-1: resumed in place, the
+    remaining losses repeat exactly; resumed at tp 2 with the experts replicated over TP (ep 1), and a tp 2 (ep 1)
+    checkpoint resumed folded, through the universal checkpoint: the next loss within 1e-5."""
+    moe = ["model.preset=tiny-moe-shared", "training.steps=4", "parallel.zero_stage=1", "parallel.tp=2"]
+    folded = ["parallel.ep=2", "parallel.ep_spans_tp=true"]
+    out = str(tmp_path / "folded")
+    full = dist_run(2, run_case, moe + folded + ["training.save_interval=3"], out)[0]
+    resumed = dist_run(2, run_case, moe + folded + ["training.save=false"], out, 3)[0]
+    assert resumed == full[3:], "resumed folded in place: the next loss must be the uninterrupted run's"
+    unfolded = dist_run(2, run_case, moe + ["training.save=false"], out, 3, True)[0]
+    torch.testing.assert_close(unfolded[0], full[3], rtol=1e-5, atol=0, msg="folded -> tp2 ep1: next loss")
+    out = str(tmp_path / "tp2")
+    full = dist_run(2, run_case, moe + ["training.save_interval=3"], out)[0]
+    refolded = dist_run(2, run_case, moe + folded + ["training.save=false"], out, 3, True)[0]
+    torch.testing.assert_close(refolded[0], full[3], rtol=1e-5, atol=0, msg="tp2 ep1 -> folded: next loss")
 
 
 def _to_universal(out):

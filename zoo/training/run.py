@@ -36,7 +36,8 @@ class RunParser(argparse.ArgumentParser):
         """Layout, steps, intervals, resume, --set."""
         self.add_argument("--tp", type=int, help="tensor-parallel size")
         self.add_argument("--pp", type=int, help="pipeline-parallel size")
-        self.add_argument("--ep", type=int, help="expert-parallel size (mixture-of-experts models; must divide dp)")
+        self.add_argument("--ep", type=int, help="expert-parallel size (mixture-of-experts models; must divide dp, "
+                                                 "or with --ep-spans-tp be tp x a divisor of dp)")
         self.add_argument("--ep-spans-tp", action="store_const", const="true", default=None,
                           help="MoE: the EP groups take in the TP ranks (parallel folding; ep a multiple of tp, "
                                "ep / tp dividing dp; parallel.ep_spans_tp: true)")
