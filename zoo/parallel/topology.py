@@ -22,6 +22,11 @@ gradients). For 8 ranks at tp=2, pp=1, ep=2 (dp=4; DP groups [0,2,4,6] [1,3,5,7]
     ep:    0 0 1 1 0 0 1 1     EP groups  [0,2] [4,6] [1,3] [5,7]
     edp:   0 0 0 0 1 1 1 1     EDP groups [0,4] [2,6] [1,5] [3,7]
 
+With ``ep_spans_tp`` (Megatron-Core's "parallel folding") an EP group is ep / tp data-parallel places with their
+whole TP groups, TP rank fastest, so the TP ranks hold different experts; the same 8 ranks at ep=2 give EP groups
+[0,1] [2,3] [4,5] [6,7] (each TP group) and EDP groups [0,2,4,6] [1,3,5,7]; at ep=4, [0,1,2,3] [4,5,6,7] and
+[0,4] [1,5] [2,6] [3,7].
+
 ``ParallelGrid`` builds every group once and doubles as the ``mpu`` object DeepSpeed expects
 (``deepspeed.initialize(mpu=grid)``, ``checkpointing.configure(mpu_=grid)``). Following DeepSpeed's own
 ``PipelineParallelGrid``, "model parallel" there means pipe x tensor; "tensor model parallel" is TP alone.
