@@ -324,3 +324,24 @@ def test_every_layout_the_planner_offers_is_one_zoo_runs(tmp_path, preset):
         except ConfigError as e:
             refused.append(f"{lay}: {e}")
     assert count > 50 and not refused, refused[:5]
+
+
+def test_ep_spanning_tp_is_offered_and_priced():
+    """EP groups spanning TP: offered as ep = tp x a divisor of dp (beside ep inside dp), written with
+    parallel.ep_spans_tp; the experts' ZeRO partitions go over the ranks holding the same experts, dp x tp / ep of
+    them (dp / ep without folding), which is all their memory changes at the same ep: E / ep experts per rank."""
+    from zoo.plan.search import candidates
+
+    c = GPTConfig.from_preset("tiny-moe")
+    job = Job(c, 8, 128, 16, dtype="bf16")
+    gpu = get_gpu("h100")
+    offered = {(lay.tp, lay.dp, lay.ep, lay.ep_spans_tp) for lay in candidates(job, gpu)}
+    assert {(2, 4, 2, True), (2, 4, 4, True), (2, 4, 8, True), (2, 2, 4, True), (2, 4, 4, False)} <= offered
+    assert not any(spans and (tp == 1 or ep % tp) for tp, _, ep, spans in offered)
+    folded, inside = (estimate(job, Layout(tp=2, dp=4, ep=4, zero=1, micro_batch=1, ep_spans_tp=spans), gpu)
+                      for spans in (True, False))
+    experts = stages(c, 2, 1, 4)[0].expert  # per rank: E / 4 experts, either way
+    assert experts > 0 and folded.memory["params"] == inside.memory["params"]
+    # ZeRO-1, bf16 with Adam: 12 bytes of fp32 master and moments per partitioned parameter; 2 EDP ranks vs 1
+    assert inside.memory["optimizer"] - folded.memory["optimizer"] == 12 * experts - 12 * experts / 2
+    assert "ep_spans_tp=true" in folded.layout.describe()

@@ -106,12 +106,15 @@ def table(rows, top: int) -> str:
     lines = [head, "-" * len(head)]
     for n, e in enumerate(rows[:top], 1):
         lay, m, t = e.layout, e.memory, e.time
-        lines.append(f"{n:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>5} {lay.ep:>3} {lay.cp:>3} {lay.zero:>4} {lay.micro_batch:>3} "
+        ep = f"{lay.ep}*" if lay.ep_spans_tp else str(lay.ep)
+        lines.append(f"{n:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>5} {ep:>3} {lay.cp:>3} {lay.zero:>4} {lay.micro_batch:>3} "
                      f"{'y' if lay.sp else 'n':>3} {lay.recompute:>9} | {e.memory_per_gpu_gb:>7.1f} "
                      f"{_gb(m['params']):>6} {_gb(m['grads']):>6} {_gb(m['optimizer']):>6} "
                      f"{_gb(m['activations']):>6} {_gb(m['buffers'] + m['reserved']):>5} | {e.step_time_s:>7.3f} "
                      f"{t['compute']:>6.3f} {t['communication']:>6.3f} {t['bubble']:>6.3f} | "
                      f"{e.tokens_per_s:>10.0f} {e.tflops_per_gpu:>7.1f} {e.mfu:>5.1%}")
+    if any(e.layout.ep_spans_tp for e in rows[:top]):
+        lines.append("ep*: the expert-parallel groups span the TP ranks (parallel.ep_spans_tp)")
     return "\n".join(lines)
 
 
@@ -132,7 +135,8 @@ def run_config(e, job: Job, preset: str | None, gpus_per_node: int = 8, ema_deca
         base = GPTConfig.from_preset(preset).to_dict()
         model.update({k: v for k, v in job.config.to_dict().items() if base.get(k) != v})
     cfg = {"model": model,
-           "parallel": {"tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "cp": lay.cp, "zero_stage": lay.zero,
+           "parallel": {"tp": lay.tp, "pp": lay.pp, "ep": lay.ep, **({"ep_spans_tp": True} if lay.ep_spans_tp else {}),
+                        "cp": lay.cp, "zero_stage": lay.zero,
                         "sequence_parallel": lay.sp, "activation_checkpointing": lay.recompute == "full"},
            "training": {"micro_batch_size": lay.micro_batch, "global_batch_size": job.global_batch,
                         "seq_length": job.seq_length, "precision": job.dtype, "fused_cross_entropy": lay.fused_ce,

@@ -43,9 +43,10 @@ class Layout:
     sp: bool = False
     recompute: str = "none"
     fused_ce: bool = False  # the LM head and the loss fused (zoo.parallel.cross_entropy.linear_cross_entropy_sum)
+    ep_spans_tp: bool = False  # the EP groups take in the TP ranks (parallel.ep_spans_tp): ep = tp x (DP places)
 
     def describe(self) -> str:
-        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        ep = f" ep={self.ep}" + (" ep_spans_tp=true" if self.ep_spans_tp else "") if self.ep > 1 else ""
         ep += f" cp={self.cp}" if self.cp > 1 else ""
         fused = " fused_ce=true" if self.fused_ce else ""
         return (f"tp={self.tp} pp={self.pp} dp={self.dp}{ep} zero={self.zero} micro_batch={self.micro_batch} "
@@ -442,8 +443,9 @@ def _block_cost(c, i: int, lay: Layout, job: Job, gpu: GPU) -> tuple:
     ep_comm = 0.0
     if lay.ep > 1 and c.is_moe_layer(i):  # dispatch + combine all-to-alls
         size = tokens / lay.tp * c.num_experts_per_tok * c.hidden_size * a
-        ep_comm = 2 * (2 + rc) * _collective_time(size, lay.ep, "all_to_all", gpu,
-                                                   _inter(lay.tp * lay.cp * lay.ep, gpu))  # EP ranks: tp x cp apart
+        # EP ranks: tp x cp apart, or whole TP groups whose places are tp x cp apart when the groups span TP
+        span = lay.cp * lay.ep if lay.ep_spans_tp else lay.tp * lay.cp * lay.ep
+        ep_comm = 2 * (2 + rc) * _collective_time(size, lay.ep, "all_to_all", gpu, _inter(span, gpu))
     return gemm, attn, attn_extra, elem, extra_bytes, tp_comm, ep_comm
 
 
@@ -452,7 +454,8 @@ def estimate(job: Job, lay: Layout, gpu: GPU, cache: dict | None = None) -> Esti
     from zoo.training.metrics import training_flops_per_token
 
     c, s, a = job.config, job.seq_length, DTYPE_BYTES[job.dtype]
-    parts, expert_parts = lay.dp * lay.cp, max(1, lay.dp * lay.cp // lay.ep)  # DeepSpeed's dp group: dp x cp
+    parts = lay.dp * lay.cp  # DeepSpeed's dp group: dp x cp; the experts' (EDP) over the ranks with the same ones
+    expert_parts = max(1, lay.dp * lay.cp * (lay.tp if lay.ep_spans_tp else 1) // lay.ep)
     m = job.global_batch // (lay.micro_batch * lay.dp)
     tokens = lay.micro_batch * s // lay.cp
     st = stages(c, lay.tp, lay.pp, lay.ep, cache)

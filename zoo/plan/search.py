@@ -3,7 +3,7 @@
 The axes and zoo's rules for them (the same as ``zoo.training.config.validate``): tp divides the query and
 key-value heads and the MLP width (and is at most the GPUs of a node unless ``allow_cross_node_tp``); pp divides
 the GPUs left and is at most the number of blocks; dp = GPUs / (tp pp); ep (mixture-of-experts models) divides
-dp and the experts; ZeRO 0-3 at pp 1, ZeRO 0-1 with a pipeline (DeepSpeed's rule); sequence parallelism needs
+dp (or, with EP groups spanning TP, is tp x a divisor of dp) and the experts; ZeRO 0-3 at pp 1, ZeRO 0-1 with a pipeline (DeepSpeed's rule); sequence parallelism needs
 tp > 1 and a sequence divisible by tp; the micro batch times dp divides the global batch; recomputation none or
 full ("selective" only where the attention kernel stores the s x s scores, which zoo's SDPA does not).
 """
@@ -61,11 +61,15 @@ def candidates(job: Job, gpu: GPU, fixed: dict | None = None, allow_cross_node_t
                 if cp > 1 and not _cp_ok(c, job, tp, cp):
                     continue
                 dp = job.gpus // (tp * pp * cp)
-                for ep in (divisors(dp) if moe else [1]):
+                # ep inside dp, and (tp > 1) EP groups spanning TP: ep = tp x a divisor of dp
+                eps = [(ep, False) for ep in divisors(dp)] if moe else [(1, False)]
+                eps += [(tp * d, True) for d in divisors(dp)] if moe and tp > 1 else []
+                for ep, spans in eps:
                     if moe and c.num_experts % ep:
                         continue
                     for mb in divisors(job.global_batch // dp) if job.global_batch % dp == 0 else []:
-                        yield from _variants(job, fixed, tp=tp, pp=pp, cp=cp, dp=dp, ep=ep, micro_batch=mb)
+                        yield from _variants(job, fixed, tp=tp, pp=pp, cp=cp, dp=dp, ep=ep, micro_batch=mb,
+                                             ep_spans_tp=spans)
 
 
 def _cp_ok(c, job: Job, tp: int, cp: int) -> bool:
@@ -150,9 +154,9 @@ def parse_only(text: str) -> dict:
             value = {"true": "full", "false": "none"}.get(value, value)
             if value not in RECOMPUTE:
                 raise PlanError(f"--only: recompute must be one of {', '.join(RECOMPUTE)}, got {value!r}")
-        elif key == "sp":
+        elif key in ("sp", "fused_ce", "ep_spans_tp"):
             if value not in ("true", "false", "1", "0"):
-                raise PlanError(f"--only: sp must be true or false, got {value!r}")
+                raise PlanError(f"--only: {key} must be true or false, got {value!r}")
             value = value in ("true", "1")
         else:
             try:
