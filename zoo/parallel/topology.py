@@ -102,11 +102,11 @@ def check_layout(world_size: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int
         )
     dp = world_size // (tp * pp * cp)
     if ep_spans_tp:
+        divisors = [tp * d for d in range(1, dp + 1) if dp % d == 0]
         if ep % tp:
             raise LayoutError(f"ep {ep} is not a multiple of tp {tp}: with parallel.ep_spans_tp each EP group holds "
-                              f"whole TP groups; pick ep in {[tp * d for d in range(1, dp + 1) if dp % d == 0]}")
+                              f"whole TP groups; pick ep in {divisors}")
         if dp % (ep // tp):
-            divisors = [tp * d for d in range(1, dp + 1) if dp % d == 0]
             raise LayoutError(f"ep / tp = {ep // tp} does not divide the data-parallel size {dp} (world size "
                               f"{world_size} / tp*pp {tp * pp}" + (f" / cp {cp}" if cp > 1 else "")
                               + f"); with parallel.ep_spans_tp pick ep in {divisors}")
@@ -415,7 +415,8 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1
         world = int(os.environ.get("WORLD_SIZE", "1"))
         check_layout(world, tp, pp, ep, cp, ep_spans_tp)
         init_distributed(timeout_minutes)
-    key = (tp, pp, ep, cp, ep_spans_tp and tp > 1 and ep > 1)
+    ep_spans_tp = ep_spans_tp and tp > 1 and ep > 1  # a no-op otherwise: the same grid
+    key = (tp, pp, ep, cp, ep_spans_tp)
     if key not in _GRIDS:
         _GRIDS[key] = ParallelGrid(tp, pp, ep, cp, ep_spans_tp)
     _CURRENT = _GRIDS[key]

@@ -327,6 +327,7 @@ def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = N
     if par.ep_spans_tp and not moe:
         raise ConfigError("parallel.ep_spans_tp needs a mixture-of-experts model (model.num_experts > 0); leave it "
                           "false for a dense model")
+    par.ep_spans_tp = par.ep_spans_tp and par.tp > 1 and par.ep > 1  # as ParallelGrid holds it (a no-op else)
     try:
         check_layout(world_size, par.tp, par.pp, par.ep, ep_spans_tp=par.ep_spans_tp)  # ep divides dp (x tp)
         model.check_layout(par.tp, par.pp, **({"ep": par.ep} if moe else {}))

@@ -109,7 +109,7 @@ def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False, init_
     par, tr = cfg.parallel, cfg.training
     family = get_family(cfg.model.family)
     configure_activation_checkpointing(grid)
-    if par.ep != grid.ep or (par.ep_spans_tp and grid.tp > 1 and grid.ep > 1) != grid.ep_spans_tp:
+    if par.ep != grid.ep or par.ep_spans_tp != grid.ep_spans_tp:
         raise ValueError(f"parallel.ep is {par.ep} (ep_spans_tp {par.ep_spans_tp}) but the grid was built with "
                          f"ep={grid.ep} (ep_spans_tp {grid.ep_spans_tp}); build it with "
                          f"initialize_model_parallel(tp, pp, ep, ep_spans_tp=...)")
@@ -647,9 +647,8 @@ def resume_plan(cfg: RunConfig, model_cfg, args):
                           f"{cfg.global_batch_size} x {cfg.training.seq_length}; keep them to resume the same data "
                           f"order")
     old, par = meta["layout"], cfg.parallel
-    spans = par.ep_spans_tp and par.tp > 1 and par.ep > 1  # as ParallelGrid.ep_spans_tp
     same_model_layout = ((old["tp"], old["pp"], old.get("ep", 1), old.get("ep_spans_tp", False))
-                         == (par.tp, par.pp, par.ep, spans))
+                         == (par.tp, par.pp, par.ep, par.ep_spans_tp))
     # DeepSpeed partitions ZeRO states over dp x cp (zoo.parallel.topology): a cp change is a dp change to it.
     zero_same = old["zero_stage"] == par.zero_stage and (old["zero_stage"] == 0 or
                                                          old["dp"] * old.get("cp", 1) == cfg.dp * par.cp)
