@@ -28,7 +28,9 @@ from zoo.convert import io
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB, EOS, TOL = 300, 0, 1e-4
-LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2)]  # (tp, pp, ep)
+# (tp, pp, ep, ep_spans_tp); the last: 4 EP ranks (one expert each) on dp 2, the EP groups taking in the TP ranks
+LAYOUTS = [(1, 1, 1, False), (2, 1, 1, False), (1, 2, 1, False), (1, 1, 2, False), (2, 1, 2, False),
+           (2, 1, 4, True)]
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64, rms_norm_eps=1e-6, num_experts_per_tok=2, bos_token_id=EOS,
               eos_token_id=EOS, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
@@ -171,10 +173,10 @@ def test_an_expert_parallel_rank_reads_only_its_experts(zoo_dirs):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def verify_cases(pairs, tp, pp, ep):
+def verify_cases(pairs, tp, pp, ep, ep_spans_tp=False):
     from zoo.convert.verify import verify_report
 
-    return [verify_report(hf, zoo, tp, pp, ep=ep) for hf, zoo in pairs]
+    return [verify_report(hf, zoo, tp, pp, ep=ep, ep_spans_tp=ep_spans_tp) for hf, zoo in pairs]
 
 
 def swapped_router(zoo: Path, dst: Path) -> Path:
@@ -188,17 +190,18 @@ def swapped_router(zoo: Path, dst: Path) -> Path:
 
 def test_verify_every_layout(hf_dirs, zoo_dirs, tmp_path, dist_run):
     """Zoo folders imported from either layout against transformers' model of the per-expert folder, at each
-    (tp, pp, ep) on 4 ranks (dp = 4 / (tp x pp)); at the first layout also a folder with a misrouted block."""
+    (tp, pp, ep[, spanning tp]) on 4 ranks (dp = 4 / (tp x pp)); at the first layout also a folder with a misrouted
+    block."""
     bad = swapped_router(zoo_dirs["mixtral", "fused"], tmp_path / "bad")
-    for n, (tp, pp, ep) in enumerate(LAYOUTS):
+    for n, (tp, pp, ep, spans) in enumerate(LAYOUTS):
         layout = LAYOUT_NAMES[n % 2]
         pairs = [(str(hf_dirs[name, "per-expert"]), str(zoo_dirs[name, layout])) for name in NAMES]
         if n == 0:
             pairs.append((str(hf_dirs["mixtral", "per-expert"]), str(bad)))
-        per_rank = dist_run(4, verify_cases, pairs, tp, pp, ep)
+        per_rank = dist_run(4, verify_cases, pairs, tp, pp, ep, spans)
         assert all(r == per_rank[0] for r in per_rank)  # every rank returns rank 0's result
         for name, report in zip(NAMES, per_rank[0]):
-            where = f"{name} at tp={tp} pp={pp} ep={ep}"
+            where = f"{name} at tp={tp} pp={pp} ep={ep}" + (" spanning tp" if spans else "")
             assert report.max_abs_diff < TOL, f"{where}: max |logit diff| {report.max_abs_diff}"
             assert report.router_topk_agreement == 1.0, f"{where}: router agreement {report.router_topk_agreement}"
         if n == 0:
@@ -206,16 +209,18 @@ def test_verify_every_layout(hf_dirs, zoo_dirs, tmp_path, dist_run):
             assert wrong.max_abs_diff > 1e-2 and wrong.router_topk_agreement < 0.95, wrong
 
 
-def test_verify_command_ep2(hf_dirs, zoo_dirs, dist_run):
+@pytest.mark.parametrize("layout", [[], ["--tp", "2", "--ep-spans-tp"]], ids=["ep2", "ep2-spans-tp2"])
+def test_verify_command_ep2(layout, hf_dirs, zoo_dirs, dist_run):
     """launch/convert.py verify --ep 2 --max-memory 1KB on two processes (its main in the 2-rank pool as torchrun runs
-    it, tests/mains.py; each rank's experts streamed one layer at a time, transformers' model offloaded to disk): the
-    agreement line, then max_abs_diff=<float> last."""
+    it, tests/mains.py; each rank's experts streamed one layer at a time, transformers' model offloaded to disk), also
+    with the EP group spanning a TP group of 2: the agreement line, then max_abs_diff=<float> last."""
     (code, stdout, stderr), _ = dist_run(2, run_main, "zoo.convert.cli:main", [
         "verify", "--hf", hf_dirs["qwen2-moe", "fused"], "--zoo", zoo_dirs["qwen2-moe", "per-expert"], "--ep", "2",
-        "--max-memory", "1KB"])
+        "--max-memory", "1KB", *layout])
     assert code == 0, stdout + stderr
     lines = stdout.strip().splitlines()
-    assert lines[-3] == "tp=1 pp=1 ep=2 tol=0.0001 ok" and lines[-2] == "router_topk_agreement=1.0000", lines[-3:]
+    head = "tp=2 pp=1 ep=2 (spans tp)" if layout else "tp=1 pp=1 ep=2"
+    assert lines[-3] == f"{head} tol=0.0001 ok" and lines[-2] == "router_topk_agreement=1.0000", lines[-3:]
     assert lines[-4] == "hf modules (accelerate device_map, cpu <= 1KB): disk 1; zoo: one layer at a time"
     m = re.fullmatch(r"max_abs_diff=(\S+)", lines[-1])
     assert m and float(m.group(1)) < TOL, lines[-1]

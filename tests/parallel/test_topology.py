@@ -39,7 +39,8 @@ def test_check_layout_with_ep(world, tp, pp, ep, dp):
 def test_ep_that_does_not_divide_dp_fails_with_one_line():
     message = (r"^ep 4 does not divide the data-parallel size 2 \(world size 8 / tp\*pp 4\); expert-parallel groups "
                r"are carved out of the data-parallel ranks: pick ep in \[1, 2\] or launch a multiple of tp\*pp\*ep = 16 "
-               r"processes, or set parallel.ep_spans_tp: true \(EP groups over the TP ranks too\)$")
+               r"processes, or set parallel.ep_spans_tp: true or --ep-spans-tp \(EP groups over the TP ranks "
+               r"too\)$")
     with pytest.raises(LayoutError, match=message) as e:
         check_layout(8, 2, 2, 4)
     assert "\n" not in str(e.value)

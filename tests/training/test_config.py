@@ -44,7 +44,7 @@ BAD = [
     (MOE, ["parallel.tp=2", "parallel.ep=4"], 4,
      r"^ep 4 does not divide the data-parallel size 2 \(world size 4 / tp\*pp 2\); expert-parallel groups are "
      r"carved out of the data-parallel ranks: pick ep in \[1, 2\] or launch a multiple of tp\*pp\*ep = 8 processes, "
-     r"or set parallel.ep_spans_tp: true \(EP groups over the TP ranks too\)$"),
+     r"or set parallel.ep_spans_tp: true or --ep-spans-tp \(EP groups over the TP ranks too\)$"),
     (TINY, ["parallel.ep_spans_tp=true"], 1, r"^parallel.ep_spans_tp needs a mixture-of-experts model "),
     (MOE, ["parallel.tp=2", "parallel.ep=3", "parallel.ep_spans_tp=true"], 4,
      r"^ep 3 is not a multiple of tp 2: with parallel.ep_spans_tp each EP group holds whole TP groups; pick ep in "

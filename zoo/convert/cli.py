@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1, help="expert parallelism (MoE GPTs): must divide the expert count "
                                                      "and world size / (tp x pp)")
+    p.add_argument("--ep-spans-tp", action="store_true",
+                   help="EP groups take in the TP ranks, as training's --ep-spans-tp: ep = tp x a divisor of "
+                        "world size / (tp x pp)")
     p.add_argument("--tol", type=float, default=1e-4, help="largest accepted |difference|")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=16, help="sequence length (GPT, BERT; a U-Net's size is its config's)")
@@ -119,14 +122,15 @@ def _verify(args) -> int:
 
     try:
         report = verify_report(args.hf, args.zoo, args.tp, args.pp, ep=args.ep, batch=args.batch, seq=args.seq,
-                               seed=args.seed, allow_pickle=args.allow_pickle, max_memory=args.max_memory)
+                               seed=args.seed, allow_pickle=args.allow_pickle, max_memory=args.max_memory,
+                               ep_spans_tp=args.ep_spans_tp)
     except (ConvertError, LayoutError, io.CheckpointError) as e:
         return error(str(e))
     finally:
         destroy_model_parallel()
     diff = report.max_abs_diff
     if _is_rank0():
-        ep = f" ep={args.ep}" if args.ep != 1 else ""
+        ep = f" ep={args.ep}" + (" (spans tp)" if args.ep_spans_tp and args.tp > 1 else "") if args.ep != 1 else ""
         if report.hf_device_map is not None:
             print(f"hf modules (accelerate device_map, cpu <= {size_text(args.max_memory)}): "
                   f"{placement(report.hf_device_map)}; zoo: one layer at a time", flush=True)

@@ -241,7 +241,7 @@ def streamed_vocab_linear(specs: list, idx: int, zoo, hidden: torch.Tensor, tp_g
 
 
 def zoo_logits(zoo, cfg: GPTConfig, tp: int, pp: int, ids: torch.Tensor, ep: int = 1, routing: dict | None = None,
-               stream: bool = False) -> torch.Tensor | None:
+               stream: bool = False, ep_spans_tp: bool = False) -> torch.Tensor | None:
     """``[b, s, vocab_size]`` fp32 logits of the zoo folder at (tp, pp, ep) on global rank 0; None elsewhere.
     With ``routing`` (a dict), rank 0 also fills it with every MoE block's chosen experts ``[b s, k]``. ``stream``
     (pp 1): one layer in memory at a time (:func:`streamed_forward`)."""
@@ -252,9 +252,9 @@ def zoo_logits(zoo, cfg: GPTConfig, tp: int, pp: int, ids: torch.Tensor, ep: int
     from zoo.parallel.pipe_forward import move_tensor, pipeline_forward
 
     device = get_accelerator().current_device_name()
-    grid = initialize_model_parallel(tp, pp, ep)
+    grid = initialize_model_parallel(tp, pp, ep, ep_spans_tp=ep_spans_tp)
     ep_group = grid.ep_group if ep > 1 else None
-    specs = layer_specs(cfg, ParallelOptions(tp_group=grid.tp_group, ep_group=ep_group))
+    specs = layer_specs(cfg, ParallelOptions(tp_group=grid.tp_group, ep_group=ep_group, ep_spans_tp=grid.ep_spans_tp))
     chosen = {}
 
     def record(module):  # hooks on the MoE routers of what runs next
@@ -430,8 +430,12 @@ def verify(hf, zoo, tp: int = 1, pp: int = 1, *, ep: int = 1, batch: int = 2, se
 
 
 def verify_report(hf, zoo, tp: int = 1, pp: int = 1, *, ep: int = 1, batch: int = 2, seq: int = 16, seed: int = 0,
-                  allow_pickle: bool = False, max_memory: int | None = None) -> Verification:
+                  allow_pickle: bool = False, max_memory: int | None = None,
+                  ep_spans_tp: bool = False) -> Verification:
     """:func:`verify`'s comparison, with the router top-k agreement for MoE GPTs; the same on every rank.
+
+    ``ep_spans_tp``: the EP groups take in the TP ranks (``parallel.ep_spans_tp`` of training; ep = tp x a divisor
+    of dp), each rank loading its own whole experts.
 
     ``max_memory`` (bytes; GPT and BERT): neither side holds the whole model. The zoo side runs one layer at a time
     (:func:`streamed_forward`, pp 1, any tp), the HF side loads through accelerate with that cap
@@ -450,7 +454,8 @@ def verify_report(hf, zoo, tp: int = 1, pp: int = 1, *, ep: int = 1, batch: int 
     if family == "unet-diffusion":
         return Verification(verify_unet(hf, zoo, tp, pp, batch=batch, seed=seed))
     cfg = check_zoo(zoo, tp, pp, ep)
-    initialize_model_parallel(tp, pp, ep)  # a world size tp x pp (x ep) does not divide is refused here, everywhere
+    # a world size tp x pp (x ep) does not divide is refused here, everywhere
+    initialize_model_parallel(tp, pp, ep, ep_spans_tp=ep_spans_tp)
     # Only rank 0 runs transformers; its verdict on the HF side reaches every rank, so all stop together.
     folder, problem = None, None
     if global_rank() == 0:
@@ -464,7 +469,7 @@ def verify_report(hf, zoo, tp: int = 1, pp: int = 1, *, ep: int = 1, batch: int 
     ids = token_ids(cfg, batch, seq, seed)
     moe = cfg.num_experts > 0
     our_routing, their_routing = ({}, {}) if moe else (None, None)
-    ours = zoo_logits(zoo, cfg, tp, pp, ids, ep, our_routing, stream=max_memory is not None)
+    ours = zoo_logits(zoo, cfg, tp, pp, ids, ep, our_routing, stream=max_memory is not None, ep_spans_tp=ep_spans_tp)
     result = None
     if global_rank() == 0:
         placed = {}

@@ -118,7 +118,7 @@ def check_layout(world_size: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int
             + (f" / cp {cp}" if cp > 1 else "") + "); expert-parallel groups are carved out of the data-parallel "
             f"ranks: pick ep in {divisors} or launch a multiple of {'tp*cp*pp*ep' if cp > 1 else 'tp*pp*ep'} = "
             f"{tp * pp * ep * cp} processes"
-            + (", or set parallel.ep_spans_tp: true (EP groups over the TP ranks too)"
+            + (", or set parallel.ep_spans_tp: true or --ep-spans-tp (EP groups over the TP ranks too)"
                if tp > 1 and ep % tp == 0 and dp % (ep // tp) == 0 else "")
         )
     return dp
