@@ -18,7 +18,7 @@ from transformers import MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeFo
 from tests.parallel.helpers import assert_close, gen
 from zoo.models.generate import Generator
 from zoo.models.gpt import _ADDED_FIELDS, PRESETS, GPTConfig, GPTLoss, ParallelOptions, layer_specs
-from zoo.models.moe import GPTMoE, capacity_keep
+from zoo.models.moe import GPTMoE, GroupedExperts, capacity_keep
 from zoo.models.specs import SpecSequential
 
 B, S, H = 2, 6, 16
@@ -267,6 +267,16 @@ def test_parameters_are_marked_and_ep_slices_the_master():
     std = cfg.initializer_range
     assert abs(full.experts.gate_up_proj.std().item() - std) < 0.02
     assert abs(full.experts.down_proj.std().item() - std / math.sqrt(2 * cfg.num_hidden_layers)) < 0.02
+    # at ep=2 with the same seed, rank 1 holds experts 4..7 of the ep=1 layer, in storage of their own: a view
+    # into the [E, ...] master would keep all E experts' memory alive on every rank
+    make = dict(swiglu=True, init_method=nn.init.normal_, output_init_method=nn.init.normal_)
+    torch.manual_seed(0)
+    one = GroupedExperts(8, H, 12, **make)
+    torch.manual_seed(0)
+    half = GroupedExperts(8, H, 12, ep_rank=1, ep_size=2, **make)
+    for name in ("gate_up_proj", "down_proj"):
+        p, master = getattr(half, name), getattr(one, name)
+        assert torch.equal(p, master[4:]) and p.untyped_storage().nbytes() == p.numel() * p.element_size()
 
 
 # ---------------------------------------------------------------------------------------------------------------

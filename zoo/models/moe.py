@@ -75,7 +75,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo.parallel.layers import init_method_normal, scaled_init_method_normal
+from zoo.parallel.layers import init_method_normal, scaled_init_method_normal, shard_master_weight
 from zoo.parallel.mappings import (
     all_to_all,
     copy_to_tensor_model_parallel_region,
@@ -217,7 +217,7 @@ class MoERouter(nn.Module):
 
 
 def _expert_param(local: torch.Tensor, num_experts: int) -> nn.Parameter:
-    p = nn.Parameter(local.contiguous())
+    p = nn.Parameter(local)
     p.expert_parallel, p.partition_dim, p.num_experts = True, 0, num_experts
     return p
 
@@ -238,14 +238,14 @@ class GroupedExperts(nn.Module):
         self.num_local_experts = E // ep_size
         self.first_expert = ep_rank * self.num_local_experts
         self.swiglu = swiglu
-        local = slice(self.first_expert, self.first_expert + self.num_local_experts)
         w1 = torch.empty(E, 2 * I if swiglu else I, h)
         init_method(w1)
         w2 = torch.empty(E, h, I)
         output_init_method(w2)
         self.w1_name = "gate_up_proj" if swiglu else "up_proj"
-        self.register_parameter(self.w1_name, _expert_param(w1[local], E))
-        self.down_proj = _expert_param(w2[local], E)
+        # a copy of this rank's experts at ep > 1, not a view that would keep all E of them alive on every rank
+        self.register_parameter(self.w1_name, _expert_param(shard_master_weight(w1, 0, ep_rank, ep_size), E))
+        self.down_proj = _expert_param(shard_master_weight(w2, 0, ep_rank, ep_size), E)
 
     def forward(self, x: torch.Tensor, counts: list[int], token_group=None) -> torch.Tensor:
         """x: [N, h], sorted by local expert, counts[e] rows for expert e -> [N, h] in the same order."""
