@@ -56,7 +56,7 @@ def rank_sum(measured: dict, rank: int) -> int:
 
 def check(plan: tuple, measured: dict) -> None:
     config, job, lay = plan
-    est = estimate(job, lay, CPU)
+    est, held = estimate(job, lay, CPU), stages(config, lay.tp, lay.pp, lay.ep)
     for rank in range(job.gpus):
         stage = rank_stage(lay, rank)
         buckets = measured["grad_buckets"][rank]
@@ -64,9 +64,8 @@ def check(plan: tuple, measured: dict) -> None:
         predicted = est.stage_memory[stage]
         assert abs(predicted / got - 1) < 0.10, (lay.describe(), rank, predicted, got, measured)
         # ZeRO's reduction bucket: as many elements as the rank's stage holds parameters (zoo's reduce_bucket_size)
-        held = stages(config, lay.tp, lay.pp, lay.ep)[stage]
         buckets_held = 2 if lay.pp > 1 and lay.zero < 3 else 1
-        expect_buckets = 0 if lay.zero == 0 else (held.dense + held.expert) * 4 * buckets_held
+        expect_buckets = 0 if lay.zero == 0 else (held[stage].dense + held[stage].expert) * 4 * buckets_held
         assert buckets == expect_buckets, (lay.describe(), rank, buckets)
 
 
@@ -88,8 +87,9 @@ def test_fused_loss_memory_is_predicted(dist_run, model, name):
     # it at this size): measured and predicted differences agree within 10% (and 1% of the rank's sum)
     plain = dense_runs.layout_run(dist_run, model, name)[1][0]["memory_bytes"]
     est = {f: estimate(job, lay, CPU) for f, (_, job, lay) in plan.items()}
-    for rank in range(plan[False][1].gpus):
-        stage = rank_stage(plan[False][2], rank)
+    _, job, lay = plan[False]
+    for rank in range(job.gpus):
+        stage = rank_stage(lay, rank)
         measured = rank_sum(plain, rank) - rank_sum(fused, rank)
         predicted = est[False].stage_memory[stage] - est[True].stage_memory[stage]
         assert abs(measured - predicted) <= 0.1 * abs(predicted) + 0.01 * rank_sum(plain, rank), \
