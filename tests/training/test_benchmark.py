@@ -6,6 +6,8 @@ No timing assertions: the numbers depend on the machine and its load.
 import json
 import re
 
+import pytest
+
 from zoo.bench.gpt import main
 from zoo.models.gpt import GPTConfig
 from zoo.training.metrics import training_flops_per_token
@@ -40,13 +42,16 @@ def test_benchmark_tiny_both_styles(tmp_path, capsys):
         for r in impls.values():
             assert r["tokens_per_s"] > 0 and r["tokens_per_step"] == 2 * 16 and len(r["step_times_s"]) == 2
             assert r["params"] == style["zoo_params"]
-        # The roofline's GEMMs are exactly the step's FLOPs less the attention core (SDPA runs it, not a GEMM):
-        # forward once, backward twice (inputs' and weights' gradients), as the training FLOP counter says.
+        # The roofline's GEMMs are exactly the step's FLOPs (forward once, backward twice: inputs' and weights'
+        # gradients, as the training FLOP counter says), the attention core's inside SDPA included, less the part
+        # of it a causal mask removes: the counter takes all s x s scores, the work is s (s + 1) / 2 of them.
         cfg = GPTConfig.from_dict(style["config"])
         roof = style["roofline"]
-        attention = 3 * 4 * 16 * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
-        assert roof["gemm_flops"] == 2 * 16 * (training_flops_per_token(cfg, 16) - attention)
+        attention = 3 * 4 * 16 * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers  # per token
+        masked = attention * (1 - 17 / 32)  # s = 16: 136 of 256 scores kept
+        assert roof["gemm_flops"] == pytest.approx(2 * 16 * (training_flops_per_token(cfg, 16) - masked), rel=1e-12)
         assert roof["gemm_seconds"] > 0 and roof["fraction_of_matmul"] > 0 and roof["square_gemm_flops_per_s"] > 0
+        assert roof["gemm_seconds"] <= min(roof["gemm_seconds_before_after"])  # each shape's faster time of two
 
     # --json's last line: tokens/s per style and model (no compiled models with --no-compile)
     summary = json.loads(out.strip().splitlines()[-1])
@@ -183,3 +188,32 @@ def test_gpu_suite_runs_every_benchmark_it_lists(dist_run, tmp_path, monkeypatch
     assert [s["style"] for s in reports["llama-1b"]["styles"]] == ["llama"]
     assert reports["gpt2-124m"]["dtype"] == reports["llama-1b"]["dtype"] == reports["gpt2-124m-tp2"]["dtype"] == "bf16"
     assert reports["gpt2-124m-tp2"]["tp"] == 2 and reports["gpt2-124m-tp2"]["results"][0]["tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_roofline_counts_the_attention_products(causal):
+    """SDPA's fused kernel runs its products inside (no aten GEMM is dispatched): the recorder counts them, one per
+    query head, 2 forward and 4 backward, at the share of the scores a causal mask keeps (s (s + 1) / 2 of s^2);
+    an explicit mask keeps all of them. GQA: 4 query heads over 2 key/value heads."""
+    import torch
+    import torch.nn.functional as F
+
+    from zoo.bench.gpt import Trainee, gemm_shapes
+
+    b, heads, kv_heads, s, d = 2, 4, 2, 8, 4
+    q = torch.nn.Parameter(torch.randn(b, heads, s, d))
+    kv = torch.nn.Parameter(torch.randn(2, b, kv_heads, s, d))
+    model = torch.nn.ParameterList([q, kv])
+    mask = None if causal else torch.ones(s, s, dtype=torch.bool).tril()  # the same scores, but all computed
+
+    def loss_of(ids, labels):
+        return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, is_causal=causal,
+                                              enable_gqa=True).square().sum()
+
+    shapes = gemm_shapes(Trainee("sdpa", model, loss_of, 1e-3), None, None)
+    share = s * (s + 1) / 2 / s**2 if causal else 1.0
+    f32 = str(torch.float32)
+    expected = {(b * heads, s, s, d, False, True, f32): 2 * share,  # S = Q K^T, dP = dO V^T
+                (b * heads, s, d, s, False, False, f32): 2 * share,  # O = P V, dQ = dS K
+                (b * heads, s, d, s, True, False, f32): 2 * share}  # dV = P^T dO, dK = dS^T Q
+    assert shapes == pytest.approx(expected, rel=1e-12)

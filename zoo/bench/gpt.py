@@ -347,7 +347,13 @@ def compiled(trainee: Trainee) -> Trainee:
 def gemm_shapes(trainee: Trainee, ids, labels) -> dict:
     """``{(batch, m, n, k, a transposed, b transposed, dtype): calls}`` of every matrix product one training
     step runs (aten mm / addmm / bmm / baddbmm, plain, out= and in place; forward and backward), recorded by a
-    dispatch mode around one extra, untimed eager step."""
+    dispatch mode around one extra, untimed eager step.
+
+    A fused attention kernel (SDPA's flash / memory-efficient / cuDNN ops) runs its products inside: they are
+    counted as the batched GEMMs they are, 2 forward (``Q K^T``, ``P V``) and 4 backward (``dV``, ``dP``, ``dQ``,
+    ``dK``; not the flash backward's recomputed ``Q K^T``), one per query head. Under a causal mask only the
+    products' unmasked share is work (``(s + 1) / 2s`` at ``s`` queries and keys), so those calls count that
+    share: the roofline does not credit the step for half-masked work a kernel can skip."""
     from collections import Counter
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -372,6 +378,8 @@ def gemm_shapes(trainee: Trainee, ids, labels) -> dict:
                 batch = a.shape[0] if func in three_d else 1
                 shapes[(batch, a.shape[-2], b.shape[-1], a.shape[-1], transposed(a), transposed(b),
                         str(a.dtype))] += 1
+            elif func.overloadpacket in ATTENTION_KERNELS:
+                shapes.update(attention_products(func, args, kwargs or {}))
             return func(*args, **(kwargs or {}))
 
     trainee.optimizer.zero_grad(set_to_none=True)
@@ -379,6 +387,41 @@ def gemm_shapes(trainee: Trainee, ids, labels) -> dict:
         trainee.train_step(ids, labels)
     trainee.optimizer.zero_grad(set_to_none=True)
     return dict(shapes)
+
+
+# SDPA's fused kernels: forward ops, and their backward ops (the same names + "_backward")
+ATTENTION_KERNELS = {getattr(torch.ops.aten, name) for base in (
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    for name in (base, base + "_backward") if hasattr(torch.ops.aten, name)}
+
+
+def causal_share(queries: int, keys: int) -> float:
+    """The share of a ``[queries, keys]`` score matrix a causal mask leaves (SDPA's ``is_causal``: query i sees
+    keys 0..i, the mask aligned top left)."""
+    return sum(min(i + 1, keys) for i in range(queries)) / (queries * keys)
+
+
+def attention_products(func, args, kwargs) -> dict:
+    """``{gemm shape: calls}`` of the products one fused attention op runs (see ``gemm_shapes``)."""
+    named = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+    q, k = named["query"], named["key"]  # [b, heads, s, d] and [b, kv heads, s_kv, d]
+    batch, s, s_kv, d = q.shape[0] * q.shape[1], q.shape[-2], k.shape[-2], q.shape[-1]
+    dv = named["value"].shape[-1]
+    share = causal_share(s, s_kv) if named.get("is_causal") else 1.0
+    dtype = str(q.dtype)
+    if not func.overloadpacket.__name__.endswith("_backward"):
+        products = [(batch, s, s_kv, d, False, True, dtype),  # S = Q K^T
+                    (batch, s, dv, s_kv, False, False, dtype)]  # O = P V
+    else:
+        products = [(batch, s_kv, dv, s, True, False, dtype),  # dV = P^T dO
+                    (batch, s, s_kv, dv, False, True, dtype),  # dP = dO V^T
+                    (batch, s, d, s_kv, False, False, dtype),  # dQ = dS K
+                    (batch, s_kv, d, s, True, False, dtype)]  # dK = dS^T Q
+    out: dict = {}
+    for shape in products:
+        out[shape] = out.get(shape, 0.0) + share
+    return out
 
 
 def _operand(rows: int, cols: int, transposed: bool, batch: int, dtype, device) -> torch.Tensor:
@@ -406,9 +449,14 @@ def gemm_seconds(shape: tuple, device, accel, reps: int = 7) -> float:
     return min(times)
 
 
-def roofline(shapes: dict, device, accel) -> tuple[float, float]:
-    """``(seconds the step's GEMMs take at their measured rates, their FLOPs)``."""
-    seconds = sum(calls * gemm_seconds(shape, device, accel) for shape, calls in shapes.items())
+def gemm_times(shapes: dict, device, accel) -> dict:
+    """``{shape: seconds of one product}`` for every recorded shape (``gemm_seconds``)."""
+    return {shape: gemm_seconds(shape, device, accel) for shape in shapes}
+
+
+def roofline(shapes: dict, times: dict) -> tuple[float, float]:
+    """``(seconds the step's GEMMs take at the measured rates ``times``, their FLOPs)``."""
+    seconds = sum(calls * times[shape] for shape, calls in shapes.items())
     flops = sum(calls * 2 * b * m * n * k for (b, m, n, k, *_), calls in shapes.items())
     return seconds, flops
 
@@ -574,6 +622,9 @@ def benchmark_style(style: str, args, accel, device, dtype, log) -> StyleReport:
         shapes = None if args.no_roofline else gemm_shapes(fast, ids, labels)  # eager: the same GEMMs
         trainees += [compiled(fast), compiled(build_hf(cfg, device, dtype, args.seed, args.lr))]
         log(f"{style}: compiling the blocks of both models (the first warm-up steps)")
+    # The GEMMs are timed before and after the steps and each shape keeps its faster time: a machine that slows
+    # down for a while (a shared VM) must not make the roofline longer than the steps it is compared with
+    before = None if shapes is None else (gemm_times(shapes, device, accel), square_gemm_flops(device, accel, dtype))
     run_interleaved(trainees, ids, labels, accel, args.warmup, args.steps)
     memory = {t.impl: None if args.no_memory else step_peak_memory_gb(t, ids, labels, accel) for t in trainees}
 
@@ -590,13 +641,16 @@ def benchmark_style(style: str, args, accel, device, dtype, log) -> StyleReport:
             statistics.median(t.cpu_times), tok_s, tflops, None if peak is None else tflops / peak, memory[t.impl],
             t.losses[0], t.losses[-1], list(t.step_times)))
     if shapes is not None:
-        gemm_s, gemm_flops = roofline(shapes, device, accel)
+        after = gemm_times(shapes, device, accel), square_gemm_flops(device, accel, dtype)
+        times = {shape: min(before[0][shape], after[0][shape]) for shape in shapes}
+        gemm_s, gemm_flops = roofline(shapes, times)
         of = "zoo" if args.no_compile else "zoo-compiled"  # the model whose GEMMs were recorded
         recorded = next(r for r in report.results if r.impl == of)
         report.roofline = {"of": recorded.impl, "gemm_seconds": gemm_s, "gemm_flops": gemm_flops,
+                           "gemm_seconds_before_after": [roofline(shapes, t)[0] for t in (before[0], after[0])],
                            "gemm_shapes": len(shapes), "fraction_of_matmul": gemm_s / recorded.step_time_s,
                            "step_flops_per_s": flops_per_token * b * s / recorded.step_time_s,
-                           "square_gemm_flops_per_s": square_gemm_flops(device, accel, dtype)}
+                           "square_gemm_flops_per_s": max(before[1], after[1])}
     return report
 
 
@@ -705,8 +759,10 @@ def summary_line(report: StyleReport) -> str:
                  f"{zc / zoo.tokens_per_s:.2f}")
     roof = report.roofline
     if roof is not None:
-        line += (f"\n{report.style} roofline ({roof['of']}): its {roof['gemm_shapes']} GEMM shapes at this device's "
-                 f"measured rates take {roof['gemm_seconds'] * 1e3:.1f} ms of the step's "
+        passes = " and ".join(f"{t * 1e3:.1f}" for t in roof["gemm_seconds_before_after"])
+        line += (f"\n{report.style} roofline ({roof['of']}): its {roof['gemm_shapes']} GEMM shapes (attention's "
+                 f"products included) at this device's measured rates take {roof['gemm_seconds'] * 1e3:.1f} ms "
+                 f"(each shape's faster time of two, before and after the steps: {passes} ms) of the step's "
                  f"{roof['gemm_seconds'] / roof['fraction_of_matmul'] * 1e3:.1f} ms: fraction_of_matmul "
                  f"{roof['fraction_of_matmul']:.2f}; the step runs {roof['step_flops_per_s'] / 1e9:.1f} GFLOP/s, a "
                  f"square GEMM {roof['square_gemm_flops_per_s'] / 1e9:.1f} GFLOP/s "
