@@ -60,6 +60,9 @@ from zoo.parallel.random import tensor_parallel_rng
 from zoo.parallel.topology import get_tensor_model_parallel_group, group_rank_and_size
 
 HEADS = (None, "mlm", "mlm+nsp", "classification")
+# The family names of zoo model folders (zoo.models.registry): an encoder (with or without the MLM/NSP heads) and a
+# sequence classifier, which fine-tunes and exports differently.
+FAMILY, CLASSIFIER_FAMILY = "bert", "bert-classifier"
 
 
 @dataclass
@@ -430,3 +433,6 @@ class BertClassificationLoss:
         if self.num_labels == 1:
             return F.mse_loss(logits.float().squeeze(-1), labels.float())
         return F.cross_entropy(logits.float(), labels)
+
+
+FAMILIES = {FAMILY: BertConfig, CLASSIFIER_FAMILY: BertConfig}  # zoo.models.registry

@@ -67,6 +67,8 @@ from zoo.parallel.mappings import (
 from zoo.parallel.random import tensor_parallel_rng
 from zoo.parallel.topology import get_tensor_model_parallel_group, group_rank_and_size
 
+FAMILY = "gpt"  # the family name of a zoo model folder (zoo.models.registry)
+
 
 @dataclass
 class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dict
@@ -805,3 +807,6 @@ class GPTLoss:
                                                  ignore_index=self.ignore_index, vocab_size=self.vocab_size,
                                                  tp_group=self.tp_group).sum()
         return context_parallel_mean(total, (labels != self.ignore_index).sum(), self.cp_group)
+
+
+FAMILIES = {FAMILY: GPTConfig}  # zoo.models.registry

@@ -1145,3 +1145,6 @@ def objective_of(scheduler_config: dict | None) -> str:
     """``"flow"`` or ``"ddpm"``: the objective a model with this diffusers scheduler config (None: none) was trained
     with. Raises ValueError as :func:`schedule_from_config` does."""
     return "flow" if isinstance(schedule_from_config(scheduler_config), FlowMatchSchedule) else "ddpm"
+
+
+FAMILIES = {SEG_FAMILY: SegUNetConfig, DIFFUSION_FAMILY: DiffusionUNetConfig}  # zoo.models.registry
