@@ -121,7 +121,9 @@ def test_roofline_counts_the_fused_loss_gemms(monkeypatch):
     import torch
 
     import zoo.parallel.cross_entropy as ce
-    from zoo.bench.gpt import build_parser, build_zoo, gemm_shapes, zoo_config
+    from zoo.bench.compare import build_zoo, zoo_config
+    from zoo.bench.gpt import build_parser
+    from zoo.bench.roofline import gemm_shapes
 
     monkeypatch.setattr(ce, "CPU_CHUNK_ELEMENTS", 8 * 256)
 
@@ -160,7 +162,8 @@ def test_gpu_suite_runs_every_benchmark_it_lists(dist_run, tmp_path, monkeypatch
     import sys
     from types import SimpleNamespace
 
-    from zoo.bench import gpt as bench
+    from zoo.bench.gpt import build_parser
+    from zoo.bench.gpu_suite import GPU_SUITE, gpu_suite
 
     launched, real_run = [], subprocess.run
 
@@ -178,11 +181,11 @@ def test_gpu_suite_runs_every_benchmark_it_lists(dist_run, tmp_path, monkeypatch
 
     monkeypatch.setattr(subprocess, "run", run_here)
     gpus = SimpleNamespace(device_name=lambda: "cuda", device_count=lambda: 2)
-    args = bench.build_parser().parse_args(["--gpu-suite", "--out", str(tmp_path)])
-    assert bench.gpu_suite(args, gpus) == 0
+    args = build_parser().parse_args(["--gpu-suite", "--out", str(tmp_path)])
+    assert gpu_suite(args, gpus) == 0
     assert capsys.readouterr().out.strip().endswith(f"reports in {tmp_path}")
     assert [cmd[0] for cmd in launched] == [sys.executable] * 3
-    names = [name for name, _ in bench.GPU_SUITE] + ["gpt2-124m-tp2"]
+    names = [name for name, _ in GPU_SUITE] + ["gpt2-124m-tp2"]
     reports = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in names}
     assert [s["style"] for s in reports["gpt2-124m"]["styles"]] == ["gpt2"]
     assert [s["style"] for s in reports["llama-1b"]["styles"]] == ["llama"]
@@ -198,7 +201,8 @@ def test_roofline_counts_the_attention_products(causal):
     import torch
     import torch.nn.functional as F
 
-    from zoo.bench.gpt import Trainee, gemm_shapes
+    from zoo.bench.compare import Trainee
+    from zoo.bench.roofline import gemm_shapes
 
     b, heads, kv_heads, s, d = 2, 4, 2, 8, 4
     q = torch.nn.Parameter(torch.randn(b, heads, s, d))

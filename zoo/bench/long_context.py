@@ -42,17 +42,12 @@ from pathlib import Path
 
 import torch
 
+from zoo.bench.common import cores, write_report
+
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = ROOT / "configs" / "gpt" / "tiny-llama.yaml"
 DEFAULT_SEQ_LENGTHS = (2048, 4096, 8192, 16384, 32768)
 DEFAULT_CP = (1, 2, 4)
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget-gb", type=float, default=80.0,
                    help="memory per rank for the longest-sequence estimate, GiB (default 80)")
     p.add_argument("--threads", type=int, default=None,
-                   help=f"torch CPU threads per rank (default: the cores, here {_cores()}, divided by cp)")
+                   help=f"torch CPU threads per rank (default: the cores, here {cores()}, divided by cp)")
     p.add_argument("--set", nargs="+", action="extend", default=[], metavar="SECTION.KEY=VALUE",
                    help="override run config fields, e.g. --set model.num_hidden_layers=8")
     p.add_argument("--json", metavar="FILE", help="also write the results to FILE as JSON")
@@ -209,7 +204,7 @@ def spawn(args, cp: int, timeout: float = 3600.0) -> list[dict]:
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    threads = args.threads or max(1, _cores() // cp)
+    threads = args.threads or max(1, cores() // cp)
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, cp, port, threads, args, results)) for r in range(cp)]
     for p in procs:
@@ -279,7 +274,7 @@ def main(argv=None, world=None) -> int:
                 return 2
 
     print(f"long-context benchmark: {args.config} | {args.cp_algorithm} | batch {args.batch_size} | {args.precision} | "
-          f"cores {_cores()} | threads per rank {args.threads or f'cores / cp'}", flush=True)
+          f"cores {cores()} | threads per rank {args.threads or f'cores / cp'}", flush=True)
     rows, fits = [], []
     for cp in args.cp:
         got = world(args, cp)
@@ -309,7 +304,6 @@ def main(argv=None, world=None) -> int:
     for f in fits:
         print(f"  cp={f['cp']}: {f['max_seq_length']:,} tokens ({f['bytes_per_local_token']:.0f} B per local token)")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "rows": rows,
-                                               "longest": fits}, indent=2))
+        write_report(args.json, json.dumps({"args": {k: v for k, v in vars(args).items()}, "rows": rows,
+                                            "longest": fits}, indent=2))
     return 0

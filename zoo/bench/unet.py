@@ -21,11 +21,10 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from zoo.bench.common import DTYPES, write_report
 
 
 def parse_args(argv=None):
@@ -154,8 +153,7 @@ def main(argv=None) -> int:
         return 2
     print(report(results))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        write_report(args.json, json.dumps(results, indent=2))
     return 0
 
 
