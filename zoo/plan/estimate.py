@@ -450,111 +450,40 @@ def _block_cost(c, i: int, lay: Layout, job: Job, gpu: GPU) -> tuple:
 
 
 def estimate(job: Job, lay: Layout, gpu: GPU, cache: dict | None = None) -> Estimate:
-    """Memory of the fullest rank and the step time of ``lay``; ``fits`` says whether it fits ``gpu``."""
+    """Memory of the fullest rank and the step time of ``lay``; ``fits`` says whether it fits ``gpu``.
+
+    Per pipeline stage: its memory (``_stage_memory``) and one micro-batch's compute and exposed communication
+    (``_stage_time``); the slowest stage paces the 1F1B schedule, whose bubble is ``pp - 1`` of its micro-batches;
+    then the data-parallel collectives (``_data_parallel_time``) and the optimizer step."""
     from zoo.training.metrics import training_flops_per_token
 
-    c, s, a = job.config, job.seq_length, DTYPE_BYTES[job.dtype]
-    parts = lay.dp * lay.cp  # DeepSpeed's dp group: dp x cp; the experts' (EDP) over the ranks with the same ones
-    expert_parts = max(1, lay.dp * lay.cp * (lay.tp if lay.ep_spans_tp else 1) // lay.ep)
-    m = job.global_batch // (lay.micro_batch * lay.dp)
-    tokens = lay.micro_batch * s // lay.cp
+    c, s, z = job.config, job.seq_length, _Sizes.of(job, lay, gpu)
     st = stages(c, lay.tp, lay.pp, lay.ep, cache)
-    rc = 1 if lay.recompute == "full" else 0
-    peak = (gpu.peak_tflops if a == 2 else gpu.fp32_peak) * 1e12
-    hbm = gpu.hbm_gbps * 1e9 * gpu.bandwidth_efficiency
-    tp_inter = _inter(lay.tp, gpu)
-    unfused = job.attention == "unfused"
-
-    memory, stage_memory, stage_times, block_costs = None, [], [], {}
+    memory, stage_memory = None, []
     for stage in st:
-        pipe = lay.pp > 1
-        dense = state_bytes(stage.dense, parts, lay.zero, job.dtype, job.optimizer, m, stage.persistent, pipe)
-        expert = state_bytes(stage.expert, expert_parts, lay.zero, job.dtype, job.optimizer, m, 0, pipe)
-        act = activation_bytes(c, stage, lay, job.dtype, s // lay.cp, m, unfused, gpu.checkpoint_state_bytes)
-        buffers = 0.0
-        if lay.zero >= 1:  # ZeRO's reduction bucket (two with a pipeline), in the gradients' dtype, as zoo sizes it
-            held = 2 if lay.pp > 1 and lay.zero < 3 else 1
-            buffers += reduce_bucket_elements(stage.dense + stage.expert) * a * held
-        if lay.zero == 3:  # a gathered block and the prefetched next one
-            one_of_each = {c.is_moe_layer(i): i for i in stage.blocks}.values()
-            buffers += 2 * max((sum(block_params(c, i, lay.tp, lay.ep)) for i in one_of_each), default=0) * a
-        if lay.pp > 1:  # DeepSpeed's receive buffers: an activation and its gradient
-            buffers += 2 * tokens * c.hidden_size * a / (lay.tp if lay.sp else 1)
-        if stage.last:  # logits and their fp32 gradient, alive around the loss (fused: one chunk of them)
-            rows = min(tokens, fused_chunk_tokens(c, lay.tp, gpu)) if lay.fused_ce else tokens
-            buffers += rows * c.padded_vocab_size(lay.tp) // lay.tp * (a + 4)
-        # the weight average: fp32, what the rank holds of every tensor (zoo.training.ema; ZeRO-3: its partition of
-        # each, persistent ones too); with the optimizer state, which it sits beside and is streamed with every step
-        ema = 4 * (stage.dense / (parts if lay.zero == 3 else 1) + stage.expert) if job.ema else 0
-        mem = {"params": dense[0] + expert[0], "grads": dense[1] + expert[1],
-               "optimizer": dense[2] + expert[2] + ema,
-               "activations": act, "buffers": buffers, "reserved": gpu.reserved_gb * GiB}
-        stage_memory.append(mem["params"] + mem["grads"] + mem["optimizer"] + act)
+        mem = _stage_memory(job, lay, gpu, z, stage)
+        stage_memory.append(mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"])
         if memory is None or sum(mem.values()) > sum(memory.values()):
             memory = mem
-
-        # one micro-batch through this stage: forward, backward (2x), recomputed forward
-        totals = [0.0] * 7  # gemm, attn, attn_extra, elem, extra_bytes, tp_comm, ep_comm
-        for i in stage.blocks:
-            kind = c.is_moe_layer(i)
-            if kind not in block_costs:
-                block_costs[kind] = _block_cost(c, i, lay, job, gpu)
-            totals = [t + x for t, x in zip(totals, block_costs[kind])]
-        gemm, attn, attn_extra, elem, extra_bytes, tp_comm, ep_comm = totals
-        passes = 3 + rc
-        if stage.last:
-            gemm_head = 2 * c.hidden_size * c.padded_vocab_size(lay.tp) / lay.tp * tokens
-            compute_head = 3 * gemm_head / (peak * gpu.matmul_efficiency) + \
-                4 * tokens * c.padded_vocab_size(lay.tp) / lay.tp * 4 / hbm
-            tp_comm += _collective_time(tokens * c.hidden_size * a, lay.tp, "all_reduce", gpu, tp_inter)
-        else:
-            compute_head = 0.0
-        if stage.first:  # vocab-parallel embedding: one all-reduce forward
-            tp_comm += _collective_time(tokens * c.hidden_size * a, lay.tp, "all_reduce", gpu, tp_inter)
-        compute = passes * (gemm / (peak * gpu.matmul_efficiency) + attn / (peak * gpu.attention_efficiency)) \
-            + attn_extra / (peak * gpu.attention_efficiency) + (passes * elem + extra_bytes) / hbm + compute_head
-        p2p = 0.0
-        if lay.pp > 1:  # activations forward, their gradients backward (partitioned over TP by DeepSpeed / SP)
-            p2p = 2 * _collective_time(tokens * c.hidden_size * a / lay.tp, 2, "p2p", gpu,
-                                       _inter(lay.tp * lay.cp * lay.dp * 2, gpu))
-        stage_times.append((compute, tp_comm + ep_comm + p2p))
-
-    slowest = max(stage_times, key=sum)
+    block_costs: dict = {}
+    slowest = max((_stage_time(job, lay, gpu, z, stage, block_costs) for stage in st), key=sum)
     per_micro = sum(slowest)
-    pipeline = (m + lay.pp - 1) * per_micro
+    pipeline = (z.m + lay.pp - 1) * per_micro
     bubble = (lay.pp - 1) * per_micro
 
-    # data parallel, as DeepSpeed runs it (its calls counted by zoo.parallel.comm_count, tests/parallel): ZeRO-0
-    # all-reduces the accumulated gradients once per step; ZeRO-1 too, then all-gathers the updated parameters
-    # (DeepSpeed reduces with an all-reduce, not a reduce-scatter); ZeRO-2 all-reduces every micro-batch's
-    # gradients, then all-gathers; ZeRO-3 reduce-scatters every micro-batch's gradients and all-gathers each
-    # block's parameters for every forward, backward and recomputed forward.
-    fullest = max(st, key=lambda x: x.dense + x.expert)
-    gbytes = 4 if a == 4 else a
-    dp_inter = _inter(lay.tp * lay.cp * lay.dp, gpu)
-    dp_time = 0.0
-    for n, ranks in ((fullest.dense, parts), (fullest.expert, expert_parts)):
-        if ranks <= 1 or n == 0:
-            continue
-        if lay.zero == 3:
-            dp_time += m * _collective_time(n * gbytes, ranks, "reduce_scatter", gpu, dp_inter)
-            dp_time += m * (2 + rc) * _collective_time(n * a, ranks, "all_gather", gpu, dp_inter)
-            continue
-        dp_time += (m if lay.zero == 2 else 1) * _collective_time(n * gbytes, ranks, "all_reduce", gpu, dp_inter)
-        if lay.zero in (1, 2):
-            dp_time += _collective_time(n * a, ranks, "all_gather", gpu, dp_inter)
+    dp_time = _data_parallel_time(max(st, key=lambda x: x.dense + x.expert), lay, gpu, z)
     # ZeRO-3 prefetches parameters and reduces gradients while the step computes (DeepSpeed's overlap_comm); the
     # other stages reduce outside the backward (zoo leaves overlap_comm off; the pipeline engine after its flush)
     dp_exposed = max(0.0, dp_time - pipeline) if lay.zero == 3 else dp_time
     # the optimizer step streams master weights, moments, gradients and parameters once (memory bound)
     opt_bytes = memory["optimizer"] * 2 + memory["grads"] + memory["params"]
-    optimizer_time = opt_bytes / hbm
+    optimizer_time = opt_bytes / z.hbm
 
     step = pipeline + dp_exposed + optimizer_time
     flops_eq3 = job.global_batch * s * training_flops_per_token(c, s, recompute=lay.recompute == "full")
     flops_model = job.global_batch * s * training_flops_per_token(c, s, recompute=False)
     gpus = lay.tp * lay.pp * lay.dp * lay.cp
-    time = {"compute": m * slowest[0] + optimizer_time, "communication": m * slowest[1] + dp_exposed,
+    time = {"compute": z.m * slowest[0] + optimizer_time, "communication": z.m * slowest[1] + dp_exposed,
             "bubble": bubble}
     total = sum(memory.values())
     capacity = gpu.memory_gb * GiB
@@ -564,6 +493,116 @@ def estimate(job: Job, lay: Layout, gpu: GPU, cache: dict | None = None) -> Esti
                     mfu=flops_model / gpus / step / (gpu.peak_tflops * 1e12),
                     why_not="" if total <= capacity else _short(memory, capacity),
                     stage_memory=stage_memory)
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """What every term of one layout's estimate reads: the job as the layout divides it, and the GPU's rates."""
+    a: int  # bytes per element of the training dtype
+    parts: int  # DeepSpeed's dp group: dp x cp
+    expert_parts: int  # the experts' data-parallel (EDP) group: the ranks that hold the same experts
+    m: int  # micro-batches per step
+    tokens: int  # this rank's tokens of one micro-batch (context parallelism splits the sequence)
+    rc: int  # 1 when full recomputation runs every forward again
+    peak: float  # FLOP/s of the training dtype
+    hbm: float  # sustained HBM bytes/s
+
+    @classmethod
+    def of(cls, job: Job, lay: Layout, gpu: GPU) -> _Sizes:
+        a = DTYPE_BYTES[job.dtype]
+        return cls(a=a, parts=lay.dp * lay.cp,
+                   expert_parts=max(1, lay.dp * lay.cp * (lay.tp if lay.ep_spans_tp else 1) // lay.ep),
+                   m=job.global_batch // (lay.micro_batch * lay.dp), tokens=lay.micro_batch * job.seq_length // lay.cp,
+                   rc=1 if lay.recompute == "full" else 0, peak=(gpu.peak_tflops if a == 2 else gpu.fp32_peak) * 1e12,
+                   hbm=gpu.hbm_gbps * 1e9 * gpu.bandwidth_efficiency)
+
+
+def _stage_memory(job: Job, lay: Layout, gpu: GPU, z: _Sizes, stage: Stage) -> dict:
+    """Bytes per GPU of a rank of this stage: params, grads, optimizer, activations, buffers, reserved."""
+    c, pipe = job.config, lay.pp > 1
+    dense = state_bytes(stage.dense, z.parts, lay.zero, job.dtype, job.optimizer, z.m, stage.persistent, pipe)
+    expert = state_bytes(stage.expert, z.expert_parts, lay.zero, job.dtype, job.optimizer, z.m, 0, pipe)
+    act = activation_bytes(c, stage, lay, job.dtype, job.seq_length // lay.cp, z.m, job.attention == "unfused",
+                           gpu.checkpoint_state_bytes)
+    # the weight average: fp32, what the rank holds of every tensor (zoo.training.ema; ZeRO-3: its partition of
+    # each, persistent ones too); with the optimizer state, which it sits beside and is streamed with every step
+    ema = 4 * (stage.dense / (z.parts if lay.zero == 3 else 1) + stage.expert) if job.ema else 0
+    return {"params": dense[0] + expert[0], "grads": dense[1] + expert[1], "optimizer": dense[2] + expert[2] + ema,
+            "activations": act, "buffers": _buffer_bytes(c, lay, gpu, z, stage), "reserved": gpu.reserved_gb * GiB}
+
+
+def _buffer_bytes(c, lay: Layout, gpu: GPU, z: _Sizes, stage: Stage) -> float:
+    """The stage's buffers beside its state and activations: ZeRO's, the pipeline's and the loss's."""
+    buffers = 0.0
+    if lay.zero >= 1:  # ZeRO's reduction bucket (two with a pipeline), in the gradients' dtype, as zoo sizes it
+        held = 2 if lay.pp > 1 and lay.zero < 3 else 1
+        buffers += reduce_bucket_elements(stage.dense + stage.expert) * z.a * held
+    if lay.zero == 3:  # a gathered block and the prefetched next one
+        one_of_each = {c.is_moe_layer(i): i for i in stage.blocks}.values()
+        buffers += 2 * max((sum(block_params(c, i, lay.tp, lay.ep)) for i in one_of_each), default=0) * z.a
+    if lay.pp > 1:  # DeepSpeed's receive buffers: an activation and its gradient
+        buffers += 2 * z.tokens * c.hidden_size * z.a / (lay.tp if lay.sp else 1)
+    if stage.last:  # logits and their fp32 gradient, alive around the loss (fused: one chunk of them)
+        rows = min(z.tokens, fused_chunk_tokens(c, lay.tp, gpu)) if lay.fused_ce else z.tokens
+        buffers += rows * c.padded_vocab_size(lay.tp) // lay.tp * (z.a + 4)
+    return buffers
+
+
+def _stage_time(job: Job, lay: Layout, gpu: GPU, z: _Sizes, stage: Stage, block_costs: dict) -> tuple[float, float]:
+    """``(compute, communication)`` seconds of one micro-batch through this stage: forward, backward (2x) and the
+    recomputed forward; ``block_costs`` keeps each kind of block's cost (dense, MoE) once computed."""
+    c, a, tokens = job.config, z.a, z.tokens
+    tp_inter = _inter(lay.tp, gpu)
+    totals = [0.0] * 7  # gemm, attn, attn_extra, elem, extra_bytes, tp_comm, ep_comm
+    for i in stage.blocks:
+        kind = c.is_moe_layer(i)
+        if kind not in block_costs:
+            block_costs[kind] = _block_cost(c, i, lay, job, gpu)
+        totals = [t + x for t, x in zip(totals, block_costs[kind])]
+    gemm, attn, attn_extra, elem, extra_bytes, tp_comm, ep_comm = totals
+    passes = 3 + z.rc
+    if stage.last:
+        gemm_head = 2 * c.hidden_size * c.padded_vocab_size(lay.tp) / lay.tp * tokens
+        compute_head = 3 * gemm_head / (z.peak * gpu.matmul_efficiency) + \
+            4 * tokens * c.padded_vocab_size(lay.tp) / lay.tp * 4 / z.hbm
+        tp_comm += _collective_time(tokens * c.hidden_size * a, lay.tp, "all_reduce", gpu, tp_inter)
+    else:
+        compute_head = 0.0
+    if stage.first:  # vocab-parallel embedding: one all-reduce forward
+        tp_comm += _collective_time(tokens * c.hidden_size * a, lay.tp, "all_reduce", gpu, tp_inter)
+    compute = passes * (gemm / (z.peak * gpu.matmul_efficiency) + attn / (z.peak * gpu.attention_efficiency)) \
+        + attn_extra / (z.peak * gpu.attention_efficiency) + (passes * elem + extra_bytes) / z.hbm + compute_head
+    p2p = 0.0
+    if lay.pp > 1:  # activations forward, their gradients backward (partitioned over TP by DeepSpeed / SP)
+        p2p = 2 * _collective_time(tokens * c.hidden_size * a / lay.tp, 2, "p2p", gpu,
+                                   _inter(lay.tp * lay.cp * lay.dp * 2, gpu))
+    return compute, tp_comm + ep_comm + p2p
+
+
+def _data_parallel_time(fullest: Stage, lay: Layout, gpu: GPU, z: _Sizes) -> float:
+    """Seconds of the fullest stage's data-parallel collectives per step, dense and expert parameters each over
+    their own group.
+
+    As DeepSpeed runs them (its calls counted by zoo.parallel.comm_count, tests/parallel): ZeRO-0 all-reduces the
+    accumulated gradients once per step; ZeRO-1 too, then all-gathers the updated parameters (DeepSpeed reduces
+    with an all-reduce, not a reduce-scatter); ZeRO-2 all-reduces every micro-batch's gradients, then all-gathers;
+    ZeRO-3 reduce-scatters every micro-batch's gradients and all-gathers each block's parameters for every
+    forward, backward and recomputed forward."""
+    a, m = z.a, z.m
+    gbytes = 4 if a == 4 else a
+    dp_inter = _inter(lay.tp * lay.cp * lay.dp, gpu)
+    dp_time = 0.0
+    for n, ranks in ((fullest.dense, z.parts), (fullest.expert, z.expert_parts)):
+        if ranks <= 1 or n == 0:
+            continue
+        if lay.zero == 3:
+            dp_time += m * _collective_time(n * gbytes, ranks, "reduce_scatter", gpu, dp_inter)
+            dp_time += m * (2 + z.rc) * _collective_time(n * a, ranks, "all_gather", gpu, dp_inter)
+            continue
+        dp_time += (m if lay.zero == 2 else 1) * _collective_time(n * gbytes, ranks, "all_reduce", gpu, dp_inter)
+        if lay.zero in (1, 2):
+            dp_time += _collective_time(n * a, ranks, "all_gather", gpu, dp_inter)
+    return dp_time
 
 
 def _short(memory: dict, capacity: float) -> str:
