@@ -6,7 +6,6 @@ import sys
 import time
 from pathlib import Path
 
-
 GPU_SUITE = [  # (name, argument list): about 2-3 minutes each on one H200
     ("gpt2-124m", ["--preset", "gpt2-124m", "--dtype", "bf16"]),
     ("llama-1b", ["--preset", "llama-1b", "--dtype", "bf16", "--batch-size", "4", "--seq-length", "2048"]),
