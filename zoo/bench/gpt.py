@@ -45,6 +45,8 @@ from pathlib import Path
 
 import torch
 
+from zoo.flags import Parser
+
 STYLES = ("gpt2", "llama", "moe")  # "both": gpt2 and llama
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # The CPU-sized default model (both styles): under a minute for everything on 2 idle cores, a few when shared.
@@ -61,7 +63,7 @@ def _cores() -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="launch/benchmark.py",
         description="Training tokens/s of zoo's GPT vs transformers' GPT2LMHeadModel / LlamaForCausalLM of the same "
                     "size, batch, dtype and optimizer, in one process.",

@@ -10,27 +10,63 @@ announces the run and writes its config (:func:`start_run`), trains and exports 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from contextlib import contextmanager, nullcontext
+from dataclasses import is_dataclass
 from pathlib import Path
 
 import yaml
 
+from zoo.flags import Parser, config_key_hints
 from zoo.training.checkpoint import ResumeError, SaveError
 from zoo.training.nonfinite import DivergedError
 from zoo.training.signals import CollectiveError
 from zoo.training.config import ConfigError, RunConfig
 
 
-class RunParser(argparse.ArgumentParser):
+# Other trainers' flags (Megatron-LM's) whose zoo name differs from theirs: what to write instead. A flag named as
+# a run config field (Megatron's --lr, --micro-batch-size, --seq-length, ...) needs no entry (config_flag_hints).
+OTHER_NAMES = {
+    "--train-iters": "--steps {value}", "--tensor-model-parallel-size": "--tp {value}",
+    "--pipeline-model-parallel-size": "--pp {value}", "--context-parallel-size": "--cp {value}",
+    "--expert-model-parallel-size": "--ep {value}", "--zero-stage": "--zero {value}", "--save": "--out {value}",
+    "--num-layers": "--set model.num_hidden_layers={value}", "--ffn-hidden-size": "--set model.intermediate_size={value}",
+    "--lr-warmup-iters": "--set training.warmup_steps={value}", "--clip-grad": "--set training.grad_clip={value}",
+    "--bf16": "--set training.precision=bf16", "--fp16": "--set training.precision=fp16",
+    "--data-path": "--set data.paths=[{value}]", "--recompute-activations": "--set parallel.activation_checkpointing=true",
+}
+
+
+def config_flag_hints() -> dict[str, str]:
+    """What a run command says of a flag it does not know that names a run config field (``--micro-batch-size`` ->
+    ``--set training.micro_batch_size=...``; the model section: any field of a family's model config) or that
+    :data:`OTHER_NAMES` lists. Built only when a flag is refused."""
+    from dataclasses import asdict, fields
+
+    from zoo.training.families import REGISTRY, get_family
+
+    cfg = RunConfig()
+    sections = {f.name: asdict(getattr(cfg, f.name)) for f in fields(cfg) if is_dataclass(getattr(cfg, f.name))}
+    sections["model"].pop("overrides", None)
+    for name in REGISTRY:
+        try:
+            config_class = get_family(name).config_class
+        except ValueError:  # a family whose optional dependency is missing
+            continue
+        sections["model"].update({f.name: f.default for f in fields(config_class)})
+    return {**config_key_hints(sections), **OTHER_NAMES}
+
+
+class RunParser(Parser):
     """The argument parser of a run command: its description says what it does, where it runs, then ``more``;
-    :meth:`add_run_flags` adds the flags every run command shares; ``parse_args`` leaves out what a launcher adds."""
+    :meth:`add_run_flags` adds the flags every run command shares. An unknown flag is refused (zoo.flags), naming
+    the config key to ``--set`` where it is one."""
 
     def __init__(self, prog: str, what: str, more: str):
         super().__init__(prog=prog, description=f"{what} Works in one process, under torchrun and under the deepspeed "
-                                                f"launcher; data parallelism is world_size / (tp x cp x pp). {more}")
+                                                f"launcher; data parallelism is world_size / (tp x cp x pp). {more}",
+                         hints=config_flag_hints)
 
     def add_run_flags(self, *, eval_help: str = "validation loss", load_help: str = "") -> None:
         """Layout, steps, intervals, resume, --set."""
@@ -64,10 +100,6 @@ class RunParser(argparse.ArgumentParser):
                                "check); only for checkpoints of your own runs, DeepSpeed's files are pickles")
         self.add_argument("--set", nargs="+", action="extend", default=[], metavar="SECTION.KEY=VALUE",
                           help="override any config field, e.g. --set training.lr=3e-4 training.micro_batch_size=8")
-
-    def parse_args(self, args=None, namespace=None) -> argparse.Namespace:
-        known, _unknown = self.parse_known_args(args, namespace)  # the deepspeed launcher adds --local_rank=N
-        return known
 
 
 def command(args, plan, run, errors: tuple = ()) -> int:
