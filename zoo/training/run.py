@@ -168,6 +168,18 @@ def accelerate_flags_problem(cfg: RunConfig, env) -> str | None:
     return None
 
 
+def init_without_tokenizer(cfg: RunConfig, model_cfg) -> str | None:
+    """The warning line of a text model initialized from a folder that holds no tokenizer (``validate`` takes the
+    folder's own when it has one) and trained on the embedded corpus: that trains a new tokenizer, whose token ids
+    are not those the imported embeddings learned. None otherwise."""
+    if (cfg.training.init_from is None or cfg.data.tokenizer is not None or cfg.data.source != "embedded"
+            or getattr(model_cfg, "vocab_size", None) is None):
+        return None
+    return (f"warning: {cfg.training.init_from} holds no tokenizer (tokenizer.json or tokenizer_config.json), so "
+            f"this run trains a new one on the embedded corpus, whose token ids mean nothing to the imported "
+            f"embeddings; pass the model's own with --set data.tokenizer=DIR")
+
+
 def say(line: str) -> None:
     print(line, flush=True)
 
@@ -243,7 +255,10 @@ def train_and_save(cfg: RunConfig, model_cfg, grid, data, *, resume=None, univer
 
 def loss_change(val_losses: list, what: str = "validation loss", share: bool = False) -> str:
     """``"<what> <first> (step s0) -> <last> (step s1)"`` of ``(step, loss)`` pairs, with ``share``: ", N% of the
-    first"."""
+    first". A run that evaluated at one step only (a resumed run evaluates at its end, not where it resumed) says
+    that one loss, and that there is nothing to compare it with."""
     (s0, v0), (s1, v1) = val_losses[0], val_losses[-1]
+    if s0 == s1:
+        return f"{what} {v1:.3f} (step {s1}; this run evaluated at that step only)"
     line = f"{what} {v0:.3f} (step {s0}) -> {v1:.3f} (step {s1})"
     return line + (f", {100 * v1 / v0:.0f}% of the first" if share else "")
