@@ -21,7 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from zoo.flags import Parser  # noqa: E402
 from zoo.training.config import ConfigError, deepspeed_config, load, validate  # noqa: E402
+from zoo.training.run import config_flag_hints  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "gpt" / "tiny.yaml"
 
@@ -87,14 +89,14 @@ def train_loop(cfg, model_cfg, log=print) -> list[float]:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="launch/accelerate_loop.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="launch/accelerate_loop.py", description=__doc__, hints=config_flag_hints,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(CONFIG), help="run config YAML (default: configs/gpt/tiny.yaml)")
     p.add_argument("--steps", type=int, help="optimizer steps")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=2, help="ZeRO stage (default 2)")
     p.add_argument("--set", nargs="+", action="extend", default=[], metavar="SECTION.KEY=VALUE",
                    help="override any config field, e.g. --set training.lr=3e-4")
-    return p.parse_known_args(argv)[0]  # the deepspeed launcher adds --local_rank=N
+    return p.parse_args(argv)  # an unknown flag: one line, exit status 2 (zoo.flags)
 
 
 def plan(args, world_size: int):

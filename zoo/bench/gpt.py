@@ -46,6 +46,7 @@ from zoo.bench.compare import (DEFAULT_EXPERTS, DEFAULT_EXPERTS_PER_TOKEN, DEFAU
 from zoo.bench.gpu_suite import gpu_suite
 from zoo.bench.measure import benchmark_style, benchmark_tp
 from zoo.bench.report import StyleReport, format_table, summary_line, to_json
+from zoo.flags import Parser
 
 # The flags that count something: each at least 1, --warmup at least 0
 COUNT_FLAGS = ("steps", "warmup", "threads", "hidden_size", "layers", "heads", "kv_heads", "intermediate_size",
@@ -53,7 +54,7 @@ COUNT_FLAGS = ("steps", "warmup", "threads", "hidden_size", "layers", "heads", "
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="launch/benchmark.py",
         description="Training tokens/s of zoo's GPT vs transformers' GPT2LMHeadModel / LlamaForCausalLM of the same "
                     "size, batch, dtype and optimizer, in one process.",

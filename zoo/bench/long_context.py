@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from zoo.bench.common import cores, write_report
+from zoo.flags import Parser
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = ROOT / "configs" / "gpt" / "tiny-llama.yaml"
@@ -50,9 +51,16 @@ DEFAULT_SEQ_LENGTHS = (2048, 4096, 8192, 16384, 32768)
 DEFAULT_CP = (1, 2, 4)
 
 
+def _config_hints() -> dict[str, str]:
+    """A flag that names a run config field: the --set to write (built only when a flag is refused)."""
+    from zoo.training.run import config_flag_hints
+
+    return config_flag_hints()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="launch/benchmark_long_context.py",
-                                description="Per-rank activation memory and step time of the GPT training step at "
+    p = Parser(prog="launch/benchmark_long_context.py", hints=_config_hints,
+               description="Per-rank activation memory and step time of the GPT training step at "
                                             "long sequence lengths and several context-parallel sizes (spawns the "
                                             "ranks itself), and the longest sequence that fits a memory budget.")
     p.add_argument("--config", default=str(DEFAULT_CONFIG),

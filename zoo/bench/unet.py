@@ -16,7 +16,6 @@ on a shared CPU), and the ratio zoo / diffusers of images/s.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -25,11 +24,12 @@ import time
 import torch
 
 from zoo.bench.common import DTYPES, write_report
+from zoo.flags import Parser
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="launch/benchmark_unet.py",
-                                description="Training images/s of zoo's diffusion U-Net vs diffusers' UNet2DModel of "
+    p = Parser(prog="launch/benchmark_unet.py",
+               description="Training images/s of zoo's diffusion U-Net vs diffusers' UNet2DModel of "
                                             "the same config, batch, dtype and optimizer, in one process.")
     p.add_argument("--preset", default="tiny", help="a zoo diffusion U-Net preset: tiny (default) or ddpm-32")
     p.add_argument("--batch-size", type=int, default=16, help="images per step (default 16)")

@@ -40,6 +40,7 @@ import sys
 
 from zoo.convert import io
 from zoo.convert.hf_gpt import DTYPES, ConvertError
+from zoo.flags import Parser
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMG]?)I?B?", re.IGNORECASE)
 
@@ -61,9 +62,7 @@ def size_text(n: int) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="launch/convert.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
+    parser = Parser(prog="launch/convert.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("hf-to-zoo", help="HuggingFace (transformers or diffusers) folder or Hub id -> zoo model folder")
@@ -254,9 +253,7 @@ def zoo_to_hf(src, out, *, dtype=None, max_shard_bytes: int = io.DEFAULT_SHARD_B
 
 
 def main(argv=None) -> int:
-    args, unknown = build_parser().parse_known_args(argv)
-    if unknown:
-        return error(f"unrecognized arguments: {' '.join(unknown)}")
+    args = build_parser().parse_args(argv)  # an unknown flag: one line, exit status 2 (zoo.flags)
     dtype = DTYPES[args.dtype] if getattr(args, "dtype", None) else None
     _log_to_stdout()
     try:

@@ -51,6 +51,8 @@ import sys
 import time
 from typing import Callable, Iterator, Sequence
 
+from zoo.flags import Parser
+
 EMBEDDED = "embedded"
 FORMATS = ("auto", "jsonl", "json", "text", "parquet")
 _BATCH_DOCS, _BATCH_CHARS = 512, 1 << 20  # documents per tokenizer call, bounded by size
@@ -279,7 +281,7 @@ def _all_documents(sources: Sequence[Source]) -> Iterator[str]:
 # ---------------------------------------------------------------------------------------------------- CLI
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(Parser):
     def error(self, message: str):  # one line and exit code 2, like every other bad input
         raise InputError(f"{message} (see --help)")
 

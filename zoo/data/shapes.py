@@ -165,10 +165,10 @@ def write_folders(out, num: int, size: int = 32, seed: int = 0) -> tuple[Path, P
 
 
 def main(argv=None) -> int:
-    import argparse
+    from zoo.flags import Parser
 
-    p = argparse.ArgumentParser(prog="python -m zoo.data.shapes",
-                                description="Write the procedural shapes segmentation data as image/mask PNG folders.")
+    p = Parser(prog="python -m zoo.data.shapes",
+               description="Write the procedural shapes segmentation data as image/mask PNG folders.")
     p.add_argument("--out", required=True, help="folder to create images/ and masks/ in")
     p.add_argument("--num", type=int, default=64, help="number of pairs (default 64)")
     p.add_argument("--size", type=int, default=32, help="image side in pixels (default 32)")

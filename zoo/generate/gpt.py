@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from zoo.convert import io
+from zoo.flags import Parser
 from zoo.models.generate import Generator, SamplingOptions
 from zoo.models.specs import SpecSequential
 
@@ -144,7 +145,7 @@ class PretrainedGPT(SpecSequential):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="launch/generate.py", description=DESCRIPTION)
+    p = Parser(prog="launch/generate.py", description=DESCRIPTION)
     p.add_argument("--ckpt", required=True,
                    help="a zoo model folder with tokenizer files, or a training run folder holding one as model/")
     p.add_argument("--prompt", action="append", required=True,

@@ -15,7 +15,6 @@ steps (``zoo.models.unet.flow_sample``, default 50) for a flow-matching model's 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 
 from zoo.convert import io
 from zoo.data.image_folders import grid_shape
+from zoo.flags import Parser
 from zoo.models.specs import SpecSequential
 
 
@@ -164,8 +164,8 @@ def sample_grid(ckpt: str | os.PathLike, out: str | os.PathLike, *, num: int = 1
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m zoo.generate.unet",
-                                description="Sample a PNG grid of images from a zoo diffusion U-Net folder (DDPM "
+    p = Parser(prog="python -m zoo.generate.unet",
+               description="Sample a PNG grid of images from a zoo diffusion U-Net folder (DDPM "
                                             "ancestral sampling or flow matching's Euler steps, as the folder's "
                                             "scheduler_config.json says; one process).")
     p.add_argument("--ckpt", required=True, metavar="DIR",

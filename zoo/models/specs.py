@@ -8,6 +8,8 @@ hold the same weights under the same state-dict keys, and one checkpoint convert
 
 from __future__ import annotations
 
+import contextlib
+import io
 from functools import partial
 
 import torch
@@ -66,17 +68,37 @@ class SpecSequential(nn.Module):
         return x
 
 
+@contextlib.contextmanager
+def building_pipeline():
+    """Around the building of a DeepSpeed ``PipelineModule`` (and the loading of its layer files): no autograd and
+    no stdout, for two things DeepSpeed does there that every pp > 1 run printed.
+
+    - ``PipelineModule._synchronize_tied_weights`` broadcasts each tied weight (the embedding the first and last
+      stages share) from the first stage's rank, in place, with autograd on. ``c10d::broadcast_`` has no autograd
+      kernel, so torch records the in-place op and warns at the first backward, on every rank, that this "may lead
+      to silently incorrect behavior". It is harmless here: the broadcast only makes both stages start from the
+      same weight, no gradient is meant to flow through it (the weight stays a leaf and gets exactly its own
+      gradient; DeepSpeed then all-reduces the tied gradients over the stages), and the pipelined runs train the
+      same losses as the plain model (tests/parallel/test_pipeline.py). Without autograd the copy is not recorded.
+    - Rank 0 prints the seed settings, the topology and every stage's layer names (``print``, not DeepSpeed's
+      logger); zoo's first line says the layout.
+    """
+    with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
+        yield
+
+
 def build_pipeline(specs: list, grid, *, loss_fn, base_seed: int = 1234, partition_method: str = "parameters",
                    activation_checkpointing: bool = False, checkpointable_layers: tuple[str, ...] = ()) -> PipelineModule:
     """The same specs as a DeepSpeed ``PipelineModule`` on ``grid``'s topology, 1F1B schedule."""
-    return PipelineModule(
-        layers=specs,
-        topology=grid.topology,
-        loss_fn=loss_fn,
-        seed_layers=True,
-        seed_fn=seed_layer,
-        base_seed=base_seed,
-        partition_method=partition_method,
-        activation_checkpoint_interval=1 if activation_checkpointing else 0,
-        checkpointable_layers=list(checkpointable_layers) if activation_checkpointing else None,
-    )
+    with building_pipeline():
+        return PipelineModule(
+            layers=specs,
+            topology=grid.topology,
+            loss_fn=loss_fn,
+            seed_layers=True,
+            seed_fn=seed_layer,
+            base_seed=base_seed,
+            partition_method=partition_method,
+            activation_checkpoint_interval=1 if activation_checkpointing else 0,
+            checkpointable_layers=list(checkpointable_layers) if activation_checkpointing else None,
+        )

@@ -815,15 +815,16 @@ def build_unet_pipeline(config: UNetConfig, specs: list, grid, *, loss_fn, base_
     """The specs as a :class:`UNetPipelineModule` on ``grid``, seeded and named as ``zoo.models.specs.build_pipeline``
     builds any model (so as ``SpecSequential``). ``partition_method="compute"`` balances :func:`layer_flops`
     (:func:`pipeline_parts`); DeepSpeed's own methods are passed through."""
-    from zoo.models.specs import seed_layer
+    from zoo.models.specs import building_pipeline, seed_layer
 
     compute = partition_method == "compute"
-    return UNetPipelineModule(
-        layers=specs, topology=grid.topology, loss_fn=loss_fn, seed_layers=True, seed_fn=seed_layer,
-        base_seed=base_seed, parts=pipeline_parts(config, grid.pp) if compute else None,
-        partition_method="uniform" if compute else partition_method,
-        activation_checkpoint_interval=1 if activation_checkpointing else 0,
-        checkpointable_layers=list(CHECKPOINTABLE_LAYERS) if activation_checkpointing else None)
+    with building_pipeline():  # DeepSpeed's tied-weight broadcast and stage dump (see there)
+        return UNetPipelineModule(
+            layers=specs, topology=grid.topology, loss_fn=loss_fn, seed_layers=True, seed_fn=seed_layer,
+            base_seed=base_seed, parts=pipeline_parts(config, grid.pp) if compute else None,
+            partition_method="uniform" if compute else partition_method,
+            activation_checkpoint_interval=1 if activation_checkpointing else 0,
+            checkpointable_layers=list(CHECKPOINTABLE_LAYERS) if activation_checkpointing else None)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.nn.functional as F
 
+from zoo.flags import Parser
 from zoo.parallel.layers import ColumnParallelLinear, RowParallelLinear, init_method_normal, shard_master_weight
 from zoo.parallel.topology import LayoutError, destroy_model_parallel, initialize_model_parallel
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = Parser(prog="launch/check_parallel.py", description=__doc__)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (must divide the world size)")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--tolerance", type=float, default=1e-4)
-    args, _ = parser.parse_known_args(argv)  # the deepspeed launcher adds --local_rank
+    args = parser.parse_args(argv)
     try:
         grid = initialize_model_parallel(args.tp, 1)
     except LayoutError as e:

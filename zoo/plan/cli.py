@@ -7,18 +7,29 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
+from zoo.flags import Parser
 from zoo.plan.estimate import ATTENTION, DTYPE_BYTES, OPTIMIZER_STATE_BYTES, Job
 from zoo.plan.hardware import GPUS, HardwareError, get_gpu, load_cluster
 from zoo.plan.search import PlanError, best, explain_selective, parse_only, plan
 
 
+def model_field_hints() -> dict[str, str]:
+    """A flag that names a GPT config field (Megatron's --hidden-size, --num-attention-heads): the --set to write."""
+    from dataclasses import fields
+
+    from zoo.models.gpt import GPTConfig
+
+    hints = {"--" + f.name.replace("_", "-"): f"--set {f.name}={{value}}" for f in fields(GPTConfig)}
+    return {**hints, "--num-layers": "--set num_hidden_layers={value}", "--ffn-hidden-size":
+            "--set intermediate_size={value}"}
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="launch/plan.py", description="Predict memory and speed of every parallel "
+    p = Parser(prog="launch/plan.py", hints=model_field_hints, description="Predict memory and speed of every parallel "
                                 "layout of a GPT model on a cluster, ranked by predicted throughput.")
     p.add_argument("--model", help="a zoo GPT preset (tiny, gpt2-124m, llama-7b, mistral-7b, ...), or a zoo or "
                                    "HuggingFace model folder (its config.json); default: GPTConfig's defaults")

@@ -445,7 +445,9 @@ def load_checkpoint(engine, found: Found, *, universal: bool, cp_rank: int = 0, 
     tag = to_universal(found) if universal else found.tag
     if universal and grid is not None:
         fit_padded_vectors(engine.module, found.root / tag, grid)
-    with moe.checkpoint_as_dense(engine) if expert_parallel else contextlib.nullcontext():
+    # No autograd: a pipeline's layer files end in DeepSpeed's in-place broadcast of the tied weights, which torch
+    # would record and warn about at the next backward (zoo.models.specs.building_pipeline says why it is harmless).
+    with moe.checkpoint_as_dense(engine) if expert_parallel else contextlib.nullcontext(), torch.no_grad():
         path, client_state = engine.load_checkpoint(str(found.root), tag=tag, load_optimizer_states=True,
                                                     load_lr_scheduler_states=True)
     if path is None:

@@ -10,27 +10,63 @@ announces the run and writes its config (:func:`start_run`), trains and exports 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from contextlib import contextmanager, nullcontext
+from dataclasses import is_dataclass
 from pathlib import Path
 
 import yaml
 
+from zoo.flags import Parser, config_key_hints
 from zoo.training.checkpoint import ResumeError, SaveError
 from zoo.training.nonfinite import DivergedError
 from zoo.training.signals import CollectiveError
 from zoo.training.config import ConfigError, RunConfig
 
 
-class RunParser(argparse.ArgumentParser):
+# Other trainers' flags (Megatron-LM's) whose zoo name differs from theirs: what to write instead. A flag named as
+# a run config field (Megatron's --lr, --micro-batch-size, --seq-length, ...) needs no entry (config_flag_hints).
+OTHER_NAMES = {
+    "--train-iters": "--steps {value}", "--tensor-model-parallel-size": "--tp {value}",
+    "--pipeline-model-parallel-size": "--pp {value}", "--context-parallel-size": "--cp {value}",
+    "--expert-model-parallel-size": "--ep {value}", "--zero-stage": "--zero {value}", "--save": "--out {value}",
+    "--num-layers": "--set model.num_hidden_layers={value}", "--ffn-hidden-size": "--set model.intermediate_size={value}",
+    "--lr-warmup-iters": "--set training.warmup_steps={value}", "--clip-grad": "--set training.grad_clip={value}",
+    "--bf16": "--set training.precision=bf16", "--fp16": "--set training.precision=fp16",
+    "--data-path": "--set data.paths=[{value}]", "--recompute-activations": "--set parallel.activation_checkpointing=true",
+}
+
+
+def config_flag_hints() -> dict[str, str]:
+    """What a run command says of a flag it does not know that names a run config field (``--micro-batch-size`` ->
+    ``--set training.micro_batch_size=...``; the model section: any field of a family's model config) or that
+    :data:`OTHER_NAMES` lists. Built only when a flag is refused."""
+    from dataclasses import asdict, fields
+
+    from zoo.training.families import REGISTRY, get_family
+
+    cfg = RunConfig()
+    sections = {f.name: asdict(getattr(cfg, f.name)) for f in fields(cfg) if is_dataclass(getattr(cfg, f.name))}
+    sections["model"].pop("overrides", None)
+    for name in REGISTRY:
+        try:
+            config_class = get_family(name).config_class
+        except ValueError:  # a family whose optional dependency is missing
+            continue
+        sections["model"].update({f.name: f.default for f in fields(config_class)})
+    return {**config_key_hints(sections), **OTHER_NAMES}
+
+
+class RunParser(Parser):
     """The argument parser of a run command: its description says what it does, where it runs, then ``more``;
-    :meth:`add_run_flags` adds the flags every run command shares; ``parse_args`` leaves out what a launcher adds."""
+    :meth:`add_run_flags` adds the flags every run command shares. An unknown flag is refused (zoo.flags), naming
+    the config key to ``--set`` where it is one."""
 
     def __init__(self, prog: str, what: str, more: str):
         super().__init__(prog=prog, description=f"{what} Works in one process, under torchrun and under the deepspeed "
-                                                f"launcher; data parallelism is world_size / (tp x cp x pp). {more}")
+                                                f"launcher; data parallelism is world_size / (tp x cp x pp). {more}",
+                         hints=config_flag_hints)
 
     def add_run_flags(self, *, eval_help: str = "validation loss", load_help: str = "") -> None:
         """Layout, steps, intervals, resume, --set."""
@@ -64,10 +100,6 @@ class RunParser(argparse.ArgumentParser):
                                "check); only for checkpoints of your own runs, DeepSpeed's files are pickles")
         self.add_argument("--set", nargs="+", action="extend", default=[], metavar="SECTION.KEY=VALUE",
                           help="override any config field, e.g. --set training.lr=3e-4 training.micro_batch_size=8")
-
-    def parse_args(self, args=None, namespace=None) -> argparse.Namespace:
-        known, _unknown = self.parse_known_args(args, namespace)  # the deepspeed launcher adds --local_rank=N
-        return known
 
 
 def command(args, plan, run, errors: tuple = ()) -> int:
@@ -134,6 +166,18 @@ def accelerate_flags_problem(cfg: RunConfig, env) -> str | None:
         return (f"accelerate launch --mixed_precision {precision}, but the run config trains in "
                 f"{cfg.training.precision}; pass --set training.precision={precision}")
     return None
+
+
+def init_without_tokenizer(cfg: RunConfig, model_cfg) -> str | None:
+    """The warning line of a text model initialized from a folder that holds no tokenizer (``validate`` takes the
+    folder's own when it has one) and trained on the embedded corpus: that trains a new tokenizer, whose token ids
+    are not those the imported embeddings learned. None otherwise."""
+    if (cfg.training.init_from is None or cfg.data.tokenizer is not None or cfg.data.source != "embedded"
+            or getattr(model_cfg, "vocab_size", None) is None):
+        return None
+    return (f"warning: {cfg.training.init_from} holds no tokenizer (tokenizer.json or tokenizer_config.json), so "
+            f"this run trains a new one on the embedded corpus, whose token ids mean nothing to the imported "
+            f"embeddings; pass the model's own with --set data.tokenizer=DIR")
 
 
 def say(line: str) -> None:
@@ -211,7 +255,10 @@ def train_and_save(cfg: RunConfig, model_cfg, grid, data, *, resume=None, univer
 
 def loss_change(val_losses: list, what: str = "validation loss", share: bool = False) -> str:
     """``"<what> <first> (step s0) -> <last> (step s1)"`` of ``(step, loss)`` pairs, with ``share``: ", N% of the
-    first"."""
+    first". A run that evaluated at one step only (a resumed run evaluates at its end, not where it resumed) says
+    that one loss, and that there is nothing to compare it with."""
     (s0, v0), (s1, v1) = val_losses[0], val_losses[-1]
+    if s0 == s1:
+        return f"{what} {v1:.3f} (step {s1}; this run evaluated at that step only)"
     line = f"{what} {v0:.3f} (step {s0}) -> {v1:.3f} (step {s1})"
     return line + (f", {100 * v1 / v0:.0f}% of the first" if share else "")

@@ -33,8 +33,8 @@ import torch.distributed as dist
 from zoo.data.batches import context_parallel_share, micro_batch, to_device
 from zoo.training.config import ConfigError, RunConfig, deepspeed_config, load, validate
 from zoo.training.families import Data, get_family
-from zoo.training.run import (RunParser, command, layout_line, loss_change, process_group, say, start_run,
-                              train_and_save)
+from zoo.training.run import (RunParser, command, init_without_tokenizer, layout_line, loss_change, process_group, say,
+                              start_run, train_and_save)
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gpt" / "main.yaml"
 
@@ -313,8 +313,9 @@ class MetricsWriter:
                 logger.close()
 
 
-def plot_losses(records: list[dict], path: Path) -> Path | None:
-    """The loss curve (training per step, validation per evaluation) as a PNG."""
+def plot_losses(records: list[dict], path: Path, ylabel: str = "cross entropy (nats/token)") -> Path | None:
+    """The loss curve (training per step, validation per evaluation) as a PNG; ``ylabel`` says what the loss is
+    (the family's ``loss_label``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -331,7 +332,7 @@ def plot_losses(records: list[dict], path: Path) -> Path | None:
     if valid:
         ax.plot(*zip(*valid), "o-", label="validation", linewidth=1.5, markersize=3)
     ax.set_xlabel("step")
-    ax.set_ylabel("cross entropy (nats/token)")
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.savefig(path)
@@ -577,7 +578,8 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
     if grid.rank == 0 and memory_bytes is not None:
         log(mem.summary(memory_bytes))
     if grid.rank == 0 and metrics.records:
-        metrics.image("loss_curve", plot_losses(metrics.records, out / "loss.png"), metrics.records[-1]["step"])
+        metrics.image("loss_curve", plot_losses(metrics.records, out / "loss.png", family.loss_label(cfg)),
+                      metrics.records[-1]["step"])
     if not (keep_engine and keep_metrics):
         metrics.close()
     if keep_engine:
@@ -588,8 +590,9 @@ def train(cfg: RunConfig, model_cfg, grid, log=print, *, resume=None, universal:
 
 def parse_args(argv=None):
     p = RunParser("launch/train.py", "Train a zoo model.",
-                  "With no arguments: the tiny GPT on the embedded corpus (Python's own help texts), about 5 minutes "
-                  "on 2 CPU cores.")
+                  "With no arguments: the main job (configs/gpt/main.yaml), a 0.88M-parameter GPT-2-style model trained "
+                  "1000 steps on the embedded corpus (Python's own help texts, no download), about 3:20 on 2 idle CPU "
+                  "cores (README, Quickstart).")
     p.add_argument("--config", help=f"run config YAML (default: {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])})")
     p.add_run_flags(load_help=": model, optimizer, LR schedule, step, RNG and data position; another tp/pp/dp/ep "
                               "goes through DeepSpeed's universal checkpoint")
@@ -677,7 +680,8 @@ def run(args, cfg: RunConfig, model_cfg, resume, universal: bool) -> int:
         per_sample = f" x {cfg.training.seq_length} tokens" if family.unit == "tokens" else ""
         start_run(cfg, grid, f"zoo: {cfg.model.family} {count / 1e6:.2f}M parameters | {layout_line(cfg, grid)} | "
                              f"global batch {cfg.global_batch_size}"
-                             f"{per_sample} | {cfg.training.precision} | data: {cfg.data.source}")
+                             f"{per_sample} | {cfg.training.precision} | data: {cfg.data.source}",
+                  init_without_tokenizer(cfg, model_cfg))
         data = build_data(cfg, model_cfg, grid)
         result = train_and_save(cfg, model_cfg, grid, data, resume=resume, universal=universal, keep_metrics=True)
     metrics = result.metrics  # still open: the pictures drawn from the export go to the loggers too (W&B)

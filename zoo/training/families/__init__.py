@@ -94,6 +94,10 @@ class Family:
     def derive_metrics(self, stats: dict) -> dict:
         return {}
 
+    def loss_label(self, cfg) -> str:
+        """What the loss is, for the loss plot's axis."""
+        return "cross entropy (nats/token)"
+
     def export_files(self, cfg, config) -> dict[str, str]:
         """Files written into the exported model folder beside the weights (name -> text), e.g. a sampler's
         config; none by default."""

@@ -284,6 +284,9 @@ class BertFamily(_BertBase):
     def loss(self, config):
         return BertPretrainingLoss(config)
 
+    def loss_label(self, cfg) -> str:
+        return "masked-LM (nats/masked token) + next-sentence (nats/pair) cross entropy"
+
     def derive_metrics(self, stats):
         out = {}
         if stats.get("mlm_total"):
@@ -487,6 +490,9 @@ class BertClassifierFamily(_BertBase):
 
     def loss(self, config):
         return BertClassifierLoss(config)
+
+    def loss_label(self, cfg) -> str:
+        return "cross entropy (nats/example)"
 
     def derive_metrics(self, stats):
         return classification_metrics(stats)

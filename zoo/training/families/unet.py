@@ -321,6 +321,9 @@ class SegmentationFamily(_UNetFamily):
     def loss(self, config):
         return SegmentationLossWithStats(config)
 
+    def loss_label(self, cfg) -> str:
+        return "cross entropy (nats/pixel)"
+
     def derive_metrics(self, stats: dict) -> dict:
         return segmentation_metrics(stats)
 
@@ -499,6 +502,10 @@ class DiffusionFamily(_UNetFamily):
         from zoo.models.unet import DiffusionLoss
 
         return DiffusionLoss(config)
+
+    def loss_label(self, cfg) -> str:
+        target = "velocity" if cfg.training.objective == "flow" else "noise"
+        return f"mean squared error of the predicted {target}"
 
     def validate(self, cfg, config) -> None:
         from zoo.data.image_folders import ImageFolder
