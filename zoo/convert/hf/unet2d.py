@@ -55,8 +55,8 @@ SHORTCUT_TABLE = [  # ResNet blocks whose input and output channels differ
 ATTENTION_TABLE = [  # {down_blocks.i,mid_block,up_blocks.i}.attentions.j
     Row("{}.group_norm.weight", ("{}.group_norm.weight",)),
     Row("{}.group_norm.bias", ("{}.group_norm.bias",)),
-    Row("{}.qkv.weight", ("{}.to_q.weight", "{}.to_k.weight", "{}.to_v.weight"), concat_qkv, split_qkv),
-    Row("{}.qkv.bias", ("{}.to_q.bias", "{}.to_k.bias", "{}.to_v.bias"), concat_qkv, split_qkv),
+    Row("{}.qkv.weight", ("{}.to_q.weight", "{}.to_k.weight", "{}.to_v.weight"), to_zoo=concat_qkv, to_hf=split_qkv),
+    Row("{}.qkv.bias", ("{}.to_q.bias", "{}.to_k.bias", "{}.to_v.bias"), to_zoo=concat_qkv, to_hf=split_qkv),
     Row("{}.to_out.weight", ("{}.to_out.0.weight",)),  # to_out.1 is dropout
     Row("{}.to_out.bias", ("{}.to_out.0.bias",)),
 ]
