@@ -47,6 +47,7 @@ from zoo.convert.hf.bert import (  # noqa: F401  (public here: the family's name
     ARCH_OF,
     HEAD_OF,
     IGNORED,
+    MODEL_TYPE,
     OTHER_HEADS,
     PREFIX,
     bert_config,
@@ -58,8 +59,14 @@ from zoo.convert.hf.bert import (  # noqa: F401  (public here: the family's name
 )
 from zoo.convert.hub import read_hf_meta, resolve_hf_folder
 from zoo.convert.hub import transformers_folder as model_folder
-from zoo.convert.reader import HFCheckpoint, check_shapes, check_zoo_rows, read_zoo_config, streamed_groups, \
-    zoo_weights
+from zoo.convert.reader import (
+    HFCheckpoint,
+    check_shapes,
+    check_zoo_rows,
+    read_zoo_config,
+    streamed_groups,
+    zoo_weights,
+)
 from zoo.convert.registry import ARCHITECTURES, of_family
 from zoo.convert.writer import export_rows, finish
 from zoo.models.bert import CLASSIFIER_FAMILY, FAMILY, HEADS, BertConfig
@@ -91,7 +98,7 @@ def zoo_config_dict(cfg: BertConfig, head: str | None) -> dict:
 
 def _infer_head(family: str, names) -> str | None:
     """The head of a folder written without a "head" key, from its family and its tensors."""
-    if family == "bert-classifier":
+    if family == CLASSIFIER_FAMILY:
         return "classification"
     names = set(names)
     if any(n.endswith(".seq_relationship.weight") for n in names):
@@ -137,7 +144,7 @@ def architecture_of(meta: dict, where: str, keys=()) -> str:
     archs = meta.get("architectures") or []
     if archs:
         arch = archs[0]
-    elif meta.get("model_type") == "bert":
+    elif meta.get("model_type") == MODEL_TYPE:
         arch = class_from_keys(keys)
     else:
         arch = meta.get("model_type") or "unknown"

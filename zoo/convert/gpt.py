@@ -38,8 +38,14 @@ from zoo.convert.reader import (
     zoo_weights,
 )
 from zoo.convert.registry import ARCHITECTURES, Architecture, hf_architecture, of_family
-from zoo.convert.writer import GENERATION_CONFIG, export_rows, finish, generation_config_of, special_ids, \
-    write_generation_config
+from zoo.convert.writer import (
+    GENERATION_CONFIG,
+    export_rows,
+    finish,
+    generation_config_of,
+    special_ids,
+    write_generation_config,
+)
 from zoo.models.gpt import FAMILY, GPTConfig, GPTLoss, ParallelOptions, layer_specs
 from zoo.parallel.shards import gather_objects
 from zoo.parallel.topology import initialize_model_parallel

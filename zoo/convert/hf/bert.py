@@ -35,6 +35,7 @@ from zoo.models.bert import CLASSIFIER_FAMILY, FAMILY, HEADS, BertConfig
 HEAD_OF = {"BertModel": None, "BertForMaskedLM": "mlm", "BertForPreTraining": "mlm+nsp",
            "BertForSequenceClassification": "classification"}
 ARCH_OF = {head: arch for arch, head in HEAD_OF.items()}
+MODEL_TYPE = "bert"  # every BERT class's model_type (a config.json without architectures reads as BertModel)
 PREFIX = "bert."  # the encoder's prefix in every class with a head; BertModel's keys have none
 # Not weights: old checkpoints' position-id buffer; HF's tied copies of the word embedding and the MLM bias.
 IGNORED = re.compile(r"(embeddings\.position_ids|cls\.predictions\.decoder\.(weight|bias))$")
@@ -184,5 +185,5 @@ def _config_class():
 
 ARCHITECTURES = {arch: Architecture(
     arch, family_of(head), _config_class, partial(bert_config_from_hf, arch), partial(groups, head=head),
-    partial(_to_hf, arch), model_type="bert" if head is None else None, extra={"head": head})
+    partial(_to_hf, arch), model_type=MODEL_TYPE if head is None else None, extra={"head": head})
     for arch, head in HEAD_OF.items()}

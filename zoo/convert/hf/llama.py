@@ -19,7 +19,15 @@ from zoo.convert.errors import ConvertError
 from zoo.convert.hf.common import hf_special, refusal, zoo_config
 from zoo.convert.hf.gpt2 import embed_prefix, head_rows
 from zoo.convert.registry import Architecture
-from zoo.convert.tables import Row, blocks, cat_gate_up, qkv_groups, qkv_ungroup, same, split_gate_up
+from zoo.convert.tables import (
+    Row,
+    blocks,
+    cat_gate_up,
+    qkv_groups,
+    qkv_ungroup,
+    same,
+    split_gate_up,
+)
 from zoo.models.gpt import FAMILY, GPTConfig
 
 NAME = "LlamaForCausalLM"

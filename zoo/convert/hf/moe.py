@@ -45,7 +45,16 @@ from zoo.convert.errors import ConvertError
 from zoo.convert.hf import llama
 from zoo.convert.hf.common import refusal, zoo_config
 from zoo.convert.registry import ARCHITECTURES, Architecture
-from zoo.convert.tables import Row, cat_gate_up, same, split_gate_up, stack, stack_gate_up, unstack, unstack_gate_up
+from zoo.convert.tables import (
+    Row,
+    cat_gate_up,
+    same,
+    split_gate_up,
+    stack,
+    stack_gate_up,
+    unstack,
+    unstack_gate_up,
+)
 from zoo.models.gpt import FAMILY, GPTConfig
 
 FUSED, PER_EXPERT = "fused", "per-expert"
