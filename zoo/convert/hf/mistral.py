@@ -17,7 +17,7 @@ NAME = "MistralForCausalLM"
 
 
 def _config_class():
-    from transformers import MistralConfig
+    from transformers import MistralConfig  # imported on use: the registry imports every file
 
     return MistralConfig
 
