@@ -31,14 +31,9 @@ def family_of(path: str | None) -> str | None:
         return None
     if "zoo_format" in meta:
         return meta.get("family")
-    archs = meta.get("architectures") or []
-    if any(a == "BertForSequenceClassification" for a in archs):
-        return "bert-classifier"
-    if any(a.startswith("Bert") for a in archs) or meta.get("model_type") == "bert":
-        return "bert"
-    if meta.get("_class_name") == "UNet2DModel":
-        return "unet-diffusion"
-    return "gpt"
+    from zoo.convert.registry import hf_family
+
+    return hf_family(folder)
 
 
 def generate_main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.parallel.helpers import grid_for
 from zoo.convert import io
-from zoo.convert.hf_diffusers import (
+from zoo.convert.unet import (
     ConvertError,
     diffusers_config_to_zoo,
     export_unet2d,

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from zoo.convert import io
 from zoo.convert.cli import main
-from zoo.convert.hf_bert import (
+from zoo.convert.bert import (
     HEAD_OF,
     IGNORED,
     ConvertError,
@@ -31,7 +31,8 @@ from zoo.convert.hf_bert import (
     zoo_bert_config,
     zoo_to_hf_bert,
 )
-from zoo.convert.verify import check_bert_hf, check_hf
+from zoo.convert.bert import check_bert_hf
+from zoo.convert.gpt import check_hf
 
 VOCAB = 300  # > the tokenizer's entries; not a multiple of 128, so zoo pads it at load
 TOL = 1e-4
@@ -208,7 +209,7 @@ def test_verify_with_a_memory_cap_streams_both_sides(hf_dirs, zoo_dirs, dist_run
     and is never filled, and HF's embedding and decoder both read theirs from disk; without one, only the
     embeddings do."""
     from tests.convert.test_hf_gpt import capped_and_whole, check_capped
-    from zoo.convert.hf_bert import zoo_bert_config
+    from zoo.convert.bert import zoo_bert_config
     from zoo.models.bert import layer_specs
     from zoo.models.gpt import ParallelOptions
 

@@ -24,8 +24,12 @@ from safetensors.torch import load_file, save_file
 
 from zoo.convert import io
 from zoo.convert.cli import main
-from zoo.convert.hf_gpt import ConvertError, blocks, gpt2_table, hf_to_zoo, llama_table, resolve_hf_folder
-from zoo.convert.verify import check_hf
+from zoo.convert.errors import ConvertError
+from zoo.convert.gpt import check_hf, hf_to_zoo
+from zoo.convert.hf.gpt2 import table as gpt2_table
+from zoo.convert.hf.llama import table as llama_table
+from zoo.convert.hub import resolve_hf_folder
+from zoo.convert.tables import blocks
 from zoo.models.gpt import GPTConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -148,7 +152,7 @@ def assert_error(capsys, pattern: str, *argv) -> None:
 @pytest.mark.parametrize("name", ["gpt2", "llama-untied", "llama-tied", "qwen2", "qwen2-tied"])
 def test_tables_cover_the_checkpoint_and_invert(name):
     """Every HF tensor is read once, with the shape the table expects; to_hf(to_zoo(x)) gives x back exactly."""
-    from zoo.convert.hf_gpt import gpt_config_from_hf
+    from zoo.convert.gpt import gpt_config_from_hf
 
     hf = CASES[name]()
     arch = type(hf).__name__

@@ -86,7 +86,7 @@ def hf_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def zoo_dirs(hf_dirs, tmp_path_factory):
-    from zoo.convert.hf_gpt import hf_to_zoo
+    from zoo.convert.gpt import hf_to_zoo
 
     root = tmp_path_factory.mktemp("zoo-moe")
     return {key: hf_to_zoo(folder, root / "-".join(key)) for key, folder in hf_dirs.items()}
@@ -120,17 +120,17 @@ def test_layouts_on_disk_and_import_alike(hf_dirs, zoo_dirs):
 def test_conversions_hold_one_layer_of_experts_at_a_time(hf_dirs, zoo_dirs, tmp_path, monkeypatch):
     """Every read of the import and of the export touches one block's tensors at most (so one layer's experts),
     never all layers' experts together."""
-    from zoo.convert import hf_gpt
+    from zoo.convert import gpt, reader, writer
 
     reads = []
-    hf_read = hf_gpt.HFCheckpoint.read
-    monkeypatch.setattr(hf_gpt.HFCheckpoint, "read", lambda self, keys: reads.append(list(keys)) or
+    hf_read = reader.HFCheckpoint.read
+    monkeypatch.setattr(reader.HFCheckpoint, "read", lambda self, keys: reads.append(list(keys)) or
                         hf_read(self, keys))
-    zoo_read = hf_gpt.read_safetensors
-    monkeypatch.setattr(hf_gpt, "read_safetensors", lambda path, keys: reads.append(list(keys)) or
+    zoo_read = writer.read_safetensors
+    monkeypatch.setattr(writer, "read_safetensors", lambda path, keys: reads.append(list(keys)) or
                         zoo_read(path, keys))
-    hf_gpt.hf_to_zoo(hf_dirs["mixtral", "per-expert"], tmp_path / "zoo")
-    hf_gpt.zoo_to_hf(tmp_path / "zoo", tmp_path / "hf")
+    gpt.hf_to_zoo(hf_dirs["mixtral", "per-expert"], tmp_path / "zoo")
+    gpt.zoo_to_hf(tmp_path / "zoo", tmp_path / "hf")
     layer = re.compile(r"^(?:model\.layers\.(\d+)\.|(\d+)\.(?:attention|mlp|input_norm|post_attention_norm))")
     for keys in reads:
         assert len({m.group(1) or m.group(2) for k in keys if (m := layer.match(k))}) <= 1, keys

@@ -156,7 +156,7 @@ def test_device_dtype_and_save_round_trip(tmp_path, tokenizer_dir):
 @pytest.mark.parametrize("head", ["classification", "mlm+nsp"])
 def test_bert(tmp_path, head):
     from zoo import load_model
-    from zoo.convert.hf_bert import LABELS_FILE, family_of, zoo_config_dict
+    from zoo.convert.bert import LABELS_FILE, family_of, zoo_config_dict
     from zoo.generate.bert import PretrainedBert
     from zoo.models.bert import BertConfig, layer_specs as bert_specs
 

@@ -2,7 +2,7 @@
 
 Each test builds a small HF model with random weights (``BertForMaskedLM``, ``BertForPreTraining`` or
 ``BertForSequenceClassification``, exact GELU, no dropout), copies its weights into zoo's state dict through the
-HF adapter's key table (``zoo.convert.hf_bert.hf_rows``) and compares the last hidden state, the MLM / NSP /
+HF adapter's key table (``zoo.convert.bert.hf_rows``) and compares the last hidden state, the MLM / NSP /
 classification logits and the losses, on a batch with padding. At tp=2 every rank keeps its slice of the same
 full tensors; at pp=2 each pipeline stage loads the keys it holds. HF runs in the test process only: the workers
 get its state dict and its outputs as arguments, so they never import transformers (seconds per process on a busy
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from zoo.convert.hf_bert import IGNORED, hf_rows
+from zoo.convert.bert import IGNORED, hf_rows
 from zoo.data.masking import SpecialTokens, mask_tokens
 from zoo.training.train import destroy_engine
 from zoo.models.bert import (

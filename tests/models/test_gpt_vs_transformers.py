@@ -6,8 +6,8 @@ zoo's ``SpecSequential(layer_specs(cfg))`` through an explicit key table, and co
 backward test, the loss and the word-embedding gradient). One plain process, tp=1, no torch.distributed: the
 tensor-parallel layers fall back to their single-rank path.
 
-The key tables are the converters' own (``zoo.convert.hf_gpt``): ``Row(zoo key, HF keys, HF shapes, to_zoo,
-to_hf)``. In a per-block row ``{}`` is the block index, ``i + 1`` on zoo's side (layer 0 is the embedding) and
+The key tables are the converters' own (``zoo.convert.hf.gpt2``, ``zoo.convert.hf.llama``): ``Row(zoo key, HF keys,
+HF shapes, to_zoo, to_hf)``. In a per-block row ``{}`` is the block index, ``i + 1`` on zoo's side (layer 0 is the embedding) and
 ``i`` on HF's side. Here they fill a model in memory; tests/convert/test_hf_gpt.py runs them through files.
 """
 
@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from zoo.convert.hf_gpt import gpt2_table, llama_table, same, transpose
+from zoo.convert.hf.gpt2 import table as gpt2_table
+from zoo.convert.hf.llama import table as llama_table
+from zoo.convert.tables import same, transpose
 from zoo.models.gpt import GPTConfig, GPTLoss, layer_specs
 from zoo.models.specs import SpecSequential
 

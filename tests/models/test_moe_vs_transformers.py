@@ -1,5 +1,5 @@
 """zoo's MoE GPTs compute what transformers' Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE compute, given the same
-weights: small random HF models, copied into zoo through the adapters' own key table (``zoo.convert.hf_moe``'s, in
+weights: small random HF models, copied into zoo through the adapters' own key table (``zoo.convert.hf.moe``'s, in
 the fused layout transformers holds in memory: Llama's rows for attention and norms, plus the router, the fused
 experts, the shared expert and its gate and the q/k norms), logits compared. One process, tp=1.
 
@@ -16,7 +16,7 @@ import torch
 from tests.models.test_gpt_vs_transformers import LOGITS_ATOL, VOCAB, load_from_hf, max_logit_diff, randomize_, \
     token_ids
 from tests.models.test_moe import hf_mixtral, hf_olmoe, hf_qwen2_moe, hf_qwen3_moe
-from zoo.convert.hf_moe import FUSED, moe_table
+from zoo.convert.hf.moe import FUSED, moe_table
 from zoo.models.gpt import GPTConfig, layer_specs
 from zoo.models.specs import SpecSequential
 

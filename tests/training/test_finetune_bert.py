@@ -125,7 +125,7 @@ def test_finetune_tp2_learns_and_exports(task, tmp_path, dist_run):
     expected = [r.split(",")[1] for r in valid.read_text().splitlines()[1:]]
     assert sum(p[1] == y for p, y in zip(zoo_predictions, expected)) >= 0.9 * len(expected)
     if not (out / "hf").is_dir():
-        pytest.skip("no HF export: zoo.convert.hf_bert.zoo_to_hf_bert is not available in this checkout")
+        pytest.skip("no HF export: zoo.convert.bert.zoo_to_hf_bert is not available in this checkout")
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     hf = AutoModelForSequenceClassification.from_pretrained(out / "hf").eval()
@@ -201,9 +201,9 @@ def test_bad_inputs_one_line_and_nothing_written(task, tmp_path, capsys):
 
 
 def test_init_from_a_huggingface_bert(task, tmp_path, dist_run):
-    """--init a HF BertForMaskedLM folder: imported with zoo.convert.hf_bert, its encoder loads, pooler and
+    """--init a HF BertForMaskedLM folder: imported with zoo.convert.bert, its encoder loads, pooler and
     classifier are new (BertForMaskedLM has no pooler)."""
-    pytest.importorskip("zoo.convert.hf_bert")
+    pytest.importorskip("zoo.convert.bert")
     import shutil
 
     from transformers import BertConfig as HFBertConfig

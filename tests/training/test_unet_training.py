@@ -314,7 +314,7 @@ def test_flow_matching_run_exports_its_scheduler_and_samples_with_it(tmp_path, c
     assert sample_main(["--ckpt", str(out), "--out", str(tmp_path / "g.png"), "--num", "2", "--steps", "2"]) == 0
     assert capsys.readouterr().out.strip().endswith("(2 images, 2 Euler (flow matching) steps, seed 0)")
     # Training from it goes on with flow matching (from the zoo folder or its diffusers export) unless told otherwise.
-    from zoo.convert.hf_diffusers import export_unet2d
+    from zoo.convert.unet import export_unet2d
     from zoo.training.config import load, validate
 
     export_unet2d(out / "model", tmp_path / "hf")

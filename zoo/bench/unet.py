@@ -46,7 +46,7 @@ def build_models(config, device, dtype):
     """(zoo model, diffusers model), both in train mode on ``device`` in ``dtype``."""
     from diffusers import UNet2DModel
 
-    from zoo.convert.hf_diffusers import zoo_config_to_diffusers
+    from zoo.convert.unet import zoo_config_to_diffusers
     from zoo.models.gpt import ParallelOptions
     from zoo.models.specs import SpecSequential
     from zoo.models.unet import layer_specs

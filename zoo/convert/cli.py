@@ -9,15 +9,15 @@
     torchrun --nproc_per_node 4 launch/convert.py verify --hf HF_MIXTRAL --zoo models/mixtral --tp 2 --ep 2
     python launch/convert.py hf-to-zoo --src DDPM_PIPELINE_FOLDER --out models/ddpm   # diffusers: its unet/
 
-hf-to-zoo picks the adapter by the architecture in config.json: GPT2LMHeadModel, LlamaForCausalLM,
-MistralForCausalLM, Qwen2ForCausalLM (``zoo.convert.hf_gpt``, family gpt), the mixture-of-experts MixtralForCausalLM,
-Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM (``zoo.convert.hf_moe``, family gpt, experts stored one
-tensor per expert or fused; zoo-to-hf writes one per expert unless ``--fused-experts``); BertModel, BertForMaskedLM,
-BertForPreTraining, BertForSequenceClassification (``zoo.convert.hf_bert``, families bert and bert-classifier);
+hf-to-zoo picks the adapter by the architecture in config.json (``zoo.convert.registry.ARCHITECTURES``, one file
+each in ``zoo/convert/hf/``): GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and the
+mixture-of-experts MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM (family gpt,
+experts stored one tensor per expert or fused; zoo-to-hf writes one per expert unless ``--fused-experts``);
+BertModel, BertForMaskedLM, BertForPreTraining, BertForSequenceClassification (families bert and bert-classifier);
 a diffusers folder (config.json with ``_class_name``, or a pipeline folder with the model in ``unet/``) by that
-class: UNet2DModel (``zoo.convert.hf_diffusers``, family unet-diffusion). zoo-to-hf and verify pick it by the zoo
-folder's family. verify compares logits (GPT; BERT's heads), for a BERT without head the last hidden state, for a
-UNet2DModel the predicted noise.
+class: UNet2DModel (family unet-diffusion). zoo-to-hf and verify pick the family's converter by the zoo folder's
+family (``zoo.convert.registry.FAMILIES``). verify compares logits (GPT; BERT's heads), for a BERT without head the
+last hidden state, for a UNet2DModel the predicted noise.
 
 ``--src``/``--hf`` take a local HuggingFace folder (the network is never touched) or a Hub id, resolved through
 huggingface_hub's cache (cache only when HF_HUB_OFFLINE=1). Only safetensors are read unless ``--allow-pickle``
@@ -38,9 +38,13 @@ import os
 import re
 import sys
 
+import torch
+
 from zoo.convert import io
-from zoo.convert.hf_gpt import DTYPES, ConvertError
+from zoo.convert.errors import ConvertError
 from zoo.flags import Parser
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMG]?)I?B?", re.IGNORECASE)
 
@@ -163,93 +167,29 @@ def _log_to_stdout() -> None:
     logger.setLevel(logging.INFO)
 
 
-def supported_architectures() -> tuple[str, ...]:
-    from zoo.convert import hf_bert, hf_gpt
-
-    return hf_gpt.SUPPORTED + hf_bert.SUPPORTED
-
-
-DIFFUSERS_SUPPORTED = ("UNet2DModel",)
-
-
-def _json_dict(path) -> dict | None:
-    import json
-
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return meta if isinstance(meta, dict) else None
-
-
-def diffusers_model(folder) -> tuple[str, object] | None:
-    """``(class name, config path)`` when ``folder`` is a diffusers model folder (its config.json names a
-    ``_class_name``, which transformers' configs never do) or a diffusers pipeline folder (``model_index.json``, or
-    no config.json but ``unet/config.json``): then the class of its ``unet/`` model, or, without one, the pipeline's
-    own class. None for anything else (a transformers folder, a zoo folder)."""
-    from pathlib import Path
-
-    folder = Path(folder)
-    meta = _json_dict(folder / "config.json")
-    if meta is not None:
-        if "_class_name" in meta and "zoo_format" not in meta:
-            return str(meta["_class_name"]), folder / "config.json"
-        return None
-    unet = _json_dict(folder / "unet" / "config.json")
-    if unet is not None:  # diffusers' own reader takes a missing _class_name as the class asked for
-        return str(unet.get("_class_name", DIFFUSERS_SUPPORTED[0])), folder / "unet" / "config.json"
-    index = _json_dict(folder / "model_index.json")
-    if index is not None and "_class_name" in index:
-        return str(index["_class_name"]), folder / "model_index.json"
-    return None
-
-
 def hf_to_zoo(src, out, *, dtype=None, allow_pickle: bool = False, max_shard_bytes: int = io.DEFAULT_SHARD_BYTES):
-    """The adapter named by ``src``'s config.json architecture (transformers) or ``_class_name`` (diffusers, also
-    a pipeline folder's ``unet/``) converts it (a folder without a readable HF config goes to hf_gpt, which says
-    what is wrong)."""
-    from zoo.convert import hf_bert, hf_gpt
+    """The converter of the family that ``src``'s architecture (config.json's ``architectures`` or ``model_type``;
+    diffusers' ``_class_name``, also a pipeline folder's ``unet/``) imports into converts it."""
+    from zoo.convert.hub import resolve_hf_folder
+    from zoo.convert.registry import FAMILIES, architecture_of_folder
 
-    folder = hf_gpt.resolve_hf_folder(src, allow_pickle=allow_pickle)
-    found = diffusers_model(folder)
-    if found is not None:
-        name, where = found
-        if name not in DIFFUSERS_SUPPORTED:
-            supported = (f"supported diffusers models: {', '.join(DIFFUSERS_SUPPORTED)} (a model folder, or a "
-                         f"pipeline folder with it in unet/)")
-            if where.name == "model_index.json":
-                raise ConvertError(f"{where}: diffusers pipeline {name} has no unet/ model; {supported}")
-            raise ConvertError(f"{where}: diffusers model class {name} is not supported; {supported}")
-        from zoo.convert import hf_diffusers
-
-        return hf_diffusers.import_unet2d(folder, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
-    arch = hf_bert.hf_architecture(hf_bert.model_folder(folder))
-    kwargs = dict(dtype=dtype, allow_pickle=allow_pickle, max_shard_bytes=max_shard_bytes)
-    if arch in hf_bert.SUPPORTED or arch == "bert":
-        return hf_bert.hf_to_zoo_bert(folder, out, **kwargs)
-    if arch is None or arch in hf_gpt.SUPPORTED or arch in hf_gpt.MODEL_TYPES:
-        return hf_gpt.hf_to_zoo(folder, out, **kwargs)
-    raise ConvertError(f"{folder / 'config.json'}: architecture {arch} is not supported; supported: "
-                       f"{', '.join(supported_architectures())}")
+    folder = resolve_hf_folder(src, allow_pickle=allow_pickle)
+    arch = architecture_of_folder(folder)
+    return FAMILIES[arch.family].import_hf(folder, out, dtype=dtype, allow_pickle=allow_pickle,
+                                           max_shard_bytes=max_shard_bytes)
 
 
 def zoo_to_hf(src, out, *, dtype=None, max_shard_bytes: int = io.DEFAULT_SHARD_BYTES, fused_experts: bool = False):
-    """The adapter of the zoo folder's family exports it (``fused_experts``: MoE GPTs only)."""
-    from zoo.convert import hf_bert, hf_gpt
+    """The converter of the zoo folder's family exports it (``fused_experts``: MoE GPTs only)."""
+    from zoo.convert.registry import FAMILIES
 
     family = io.read_config(src)[0]
-    if fused_experts and family != "gpt":
+    converter = FAMILIES.get(family)
+    if fused_experts and not getattr(converter, "expert_parallel", False):
         raise ConvertError(f"{src} holds a {family!r} model; --fused-experts is for mixture-of-experts GPTs")
-    if family in hf_bert.FAMILIES:
-        return hf_bert.zoo_to_hf_bert(src, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
-    if family == "gpt":
-        return hf_gpt.zoo_to_hf(src, out, dtype=dtype, max_shard_bytes=max_shard_bytes, fused_experts=fused_experts)
-    if family == "unet-diffusion":  # one diffusion_pytorch_model.safetensors: UNet2DModels are small
-        from zoo.convert import hf_diffusers
-
-        return hf_diffusers.export_unet2d(src, out, dtype=dtype)
-    raise ConvertError(f"{src} holds a {family!r} model; zoo-to-hf exports the families gpt, "
-                       f"{', '.join(hf_bert.FAMILIES)}, unet-diffusion")
+    if converter is None:
+        raise ConvertError(f"{src} holds a {family!r} model; zoo-to-hf exports the families {', '.join(FAMILIES)}")
+    return converter.export(src, out, dtype=dtype, max_shard_bytes=max_shard_bytes, fused_experts=fused_experts)
 
 
 def main(argv=None) -> int:

@@ -50,11 +50,6 @@ class CheckpointError(ValueError):
     """A model folder that cannot be read into this model; the message names the file, tensor or field."""
 
 
-def mark_vocab_padded(param: torch.Tensor, vocab_size: int) -> None:
-    """Dimension 0 of ``param`` (summed over TP shards) is a padded vocabulary: only ``vocab_size`` rows are real."""
-    param.unpadded_size = vocab_size
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Folder-level reading and writing
 # ---------------------------------------------------------------------------------------------------------------

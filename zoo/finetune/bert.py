@@ -10,7 +10,7 @@ with the ``bert-classifier`` family (zoo/training/families/bert.py). What this e
   ``--valid-data`` a ``data.valid_fraction`` of the rows is held out. The labels are the training file's distinct
   values in sorted order; ``model.num_labels`` is set from them.
 - ``--init DIR``: a zoo BERT folder (family ``bert``, e.g. launch/train.py's ``<out>/model``, or
-  ``bert-classifier``), or a HuggingFace BERT folder (imported with ``zoo.convert.hf_bert.hf_to_zoo_bert``). Its
+  ``bert-classifier``), or a HuggingFace BERT folder (imported with ``zoo.convert.bert.hf_to_zoo_bert``). Its
   config is the model's and its tokenizer the run's. The encoder and pooler load; a classifier head of another
   shape is new (``families.bert.write_classifier_init`` writes ``<out>/init-model`` once, on global rank 0, which the
   run then loads in its own layout). Without ``--init``: the config's preset, randomly initialized, with
@@ -18,7 +18,7 @@ with the ``bert-classifier`` family (zoo/training/families/bert.py). What this e
 - Evaluation covers the whole validation set every time (``eval_iters`` is derived from its size): ``val_accuracy``
   and ``val_f1`` (macro) in metrics.jsonl.
 - At the end: ``<out>/model`` (zoo; ``labels.json`` holds ``id2label``/``label2id``) and ``<out>/hf``
-  (``BertForSequenceClassification`` with the label names, via ``zoo.convert.hf_bert.zoo_to_hf_bert``).
+  (``BertForSequenceClassification`` with the label names, via ``zoo.convert.bert.zoo_to_hf_bert``).
 
 Bad input is one ``error: ...`` line and exit status 2 before any process group exists and before anything is
 written: a missing file or column, a validation label the training file lacks, a single label, an init folder of
@@ -85,13 +85,13 @@ def init_source(src: str) -> tuple[str, dict, str | None]:
                               f"(family {' or '.join(INIT_FAMILIES)})")
         return "zoo", {k: v for k, v in config.items() if k != "head"}, str(folder) if has_tokenizer else None
     try:
-        from zoo.convert import hf_bert
+        from zoo.convert.bert import bert_config_from_hf, model_folder, read_hf_config
     except ImportError:
         raise ConfigError(f"--init {src} is not a zoo model folder (no zoo config.json), and this version cannot "
                           f"import HuggingFace BERT folders") from None
     try:
-        arch, hf_cfg = hf_bert.read_hf_config(hf_bert.model_folder(folder))
-        config = hf_bert.bert_config_from_hf(arch, hf_cfg).to_dict()
+        arch, hf_cfg = read_hf_config(model_folder(folder))
+        config = bert_config_from_hf(arch, hf_cfg).to_dict()
     except (ValueError, OSError) as e:
         raise ConfigError(f"--init {src}: {e}") from None
     return "hf", config, str(folder) if has_tokenizer else None
@@ -143,7 +143,7 @@ def prepare_init_folder(cfg: RunConfig, model_cfg, kind: str, grid, say) -> Path
     if grid.rank == 0:
         src = Path(cfg.training.init_from)
         if kind == "hf":
-            from zoo.convert.hf_bert import hf_to_zoo_bert
+            from zoo.convert.bert import hf_to_zoo_bert
 
             src = hf_to_zoo_bert(src, out / "init-imported")
         report = write_classifier_init(src, folder, model_cfg, seed=cfg.training.seed,
@@ -156,7 +156,7 @@ def prepare_init_folder(cfg: RunConfig, model_cfg, kind: str, grid, say) -> Path
 
 
 def write_labels(model_dir: Path, names: list) -> None:
-    """``labels.json`` beside the weights (zoo.convert.hf_bert's convention), names as strings."""
+    """``labels.json`` beside the weights (zoo.convert.bert's convention), names as strings."""
     id2label = {str(i): str(name) for i, name in enumerate(names)}
     data = {"id2label": id2label, "label2id": {v: int(k) for k, v in id2label.items()},
             "problem_type": "single_label_classification"}
@@ -166,9 +166,9 @@ def write_labels(model_dir: Path, names: list) -> None:
 
 
 def export_hf(model_dir: Path, out: Path) -> Path | None:
-    """``<out>/hf`` from ``<out>/model``; None (with a note) where zoo.convert.hf_bert is not available."""
+    """``<out>/hf`` from ``<out>/model``; None (with a note) where zoo.convert.bert is not available."""
     try:
-        from zoo.convert.hf_bert import zoo_to_hf_bert
+        from zoo.convert.bert import zoo_to_hf_bert
     except ImportError:
         return None
     return zoo_to_hf_bert(model_dir, out / "hf")
@@ -213,7 +213,7 @@ def run(args, cfg: RunConfig, model_cfg, resume, universal: bool, names: list, k
     write_labels(out / "model", names)
     hf = export_hf(out / "model", out)
     where = f"HF model {hf} (AutoModelForSequenceClassification loads it)" if hf is not None else \
-        "no HF export (zoo.convert.hf_bert is not available)"
+        "no HF export (zoo.convert.bert is not available)"
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "val_accuracy" in r]
     if evals:

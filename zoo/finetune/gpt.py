@@ -83,7 +83,7 @@ def load_data(cfg: RunConfig) -> InstructData:
 def export_hf(cfg: RunConfig, model_dir: Path, tokenizer) -> Path:
     """``<out>/hf`` from ``<out>/model``. The special ids and generation defaults come from the init model's
     generation_config.json (kept beside ``<out>/model`` too), else from the tokenizer."""
-    from zoo.convert.hf_gpt import zoo_to_hf
+    from zoo.convert.gpt import zoo_to_hf
 
     for folder in (Path(cfg.training.init_from), Path(cfg.out) / "init-model"):  # a zoo or HF folder; HF's import
         if (folder / GENERATION_CONFIG).is_file():
@@ -124,7 +124,7 @@ def plan(args, world_size: int) -> tuple:
 
 
 def run(args, cfg: RunConfig, model_cfg, resume, universal: bool, data: InstructData) -> int:
-    from zoo.convert.hf_gpt import ConvertError
+    from zoo.convert.gpt import ConvertError
     from zoo.data.tokenizer import load_tokenizer
     from zoo.training.families import Data
 

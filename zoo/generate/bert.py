@@ -4,7 +4,7 @@
     batch = model.tokenizer(["a good film"], return_tensors="pt")
     logits = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
 
-The head is the folder's (``zoo.convert.hf_bert.zoo_bert_config``: the ``"head"`` key of its config, or what its
+The head is the folder's (``zoo.convert.bert.zoo_bert_config``: the ``"head"`` key of its config, or what its
 tensors hold), so the output is what the folder was trained for; BERT generates no text, and its fine-tuning commands
 are ``launch/finetune.py`` (classification) and ``launch/train.py --config configs/bert/tiny.yaml`` (pretraining).
 """
@@ -41,7 +41,7 @@ class PretrainedBert(SpecSequential):
                         dtype: torch.dtype = torch.float32) -> "PretrainedBert":
         """Load a zoo BERT folder (or a run folder with ``model/``) on ``device`` (default CPU), in eval mode, with
         the folder's tokenizer as ``.tokenizer`` (None without tokenizer files)."""
-        from zoo.convert.hf_bert import LABELS_FILE, zoo_bert_config
+        from zoo.convert.bert import LABELS_FILE, zoo_bert_config
         from zoo.data.tokenizer import TOKENIZER_FILES, load_tokenizer
 
         folder = io.resolve_model_folder(folder)

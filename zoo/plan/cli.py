@@ -96,7 +96,7 @@ def model_config(name: str | None, sets: list[str]):
             if meta.get("family") != "gpt":
                 raise PlanError(f"{folder} holds a {meta.get('family')} model; the planner prices GPT models")
             return GPTConfig.from_dict({**meta["config"], **overrides}), None
-        from zoo.convert.hf_gpt import gpt_config_from_hf, read_hf_config
+        from zoo.convert.gpt import gpt_config_from_hf, read_hf_config
 
         arch, hf = read_hf_config(folder)
         return GPTConfig.from_dict({**gpt_config_from_hf(arch, hf).to_dict(), **overrides}), None

@@ -38,7 +38,7 @@ from zoo.training.families import Data, Family
 PRETRAINING_SOURCES = ("embedded", "indexed", "synthetic")
 CLASSIFICATION_SOURCE = "classification"
 PIPELINE_PARTITION = "type:BertLayer"
-LABELS_FILE = "labels.json"  # zoo.convert.hf_bert's name for a classifier's label names beside the weights
+LABELS_FILE = "labels.json"  # zoo.convert.bert's name for a classifier's label names beside the weights
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -255,7 +255,7 @@ class _BertBase(Family):
         return BertConfig
 
     def config_from_dict(self, d: dict):
-        """A zoo folder's config; ``zoo.convert.hf_bert`` also records the folder's head there, which is dropped."""
+        """A zoo folder's config; ``zoo.convert.bert`` also records the folder's head there, which is dropped."""
         return self.config_class.from_dict({k: v for k, v in d.items() if k != "head"})
 
     def layer_specs(self, config, sequence_parallel):

@@ -40,7 +40,7 @@ class GPTFamily(Family):
 
     def config_from_init(self, src, overrides):
         from zoo.convert import io
-        from zoo.convert.hf_gpt import gpt_config_from_hf, read_hf_config, refuse_pickle_only, resolve_hf_folder
+        from zoo.convert.gpt import gpt_config_from_hf, read_hf_config, refuse_pickle_only, resolve_hf_folder
 
         folder = resolve_hf_folder(src)
         refuse_pickle_only(folder)
@@ -50,7 +50,7 @@ class GPTFamily(Family):
         return config, str(folder) if has_tokenizer else None
 
     def import_folder(self, src, out):
-        from zoo.convert.hf_gpt import hf_to_zoo
+        from zoo.convert.gpt import hf_to_zoo
 
         hf_to_zoo(src, out)
 

@@ -466,7 +466,7 @@ def init_objective(src) -> str:
     """The objective the diffusion model in ``src`` (a zoo or diffusers folder) was trained with, from its scheduler
     config (none: DDPM): training from it goes on with that one unless training.objective says otherwise."""
     from zoo.convert import io
-    from zoo.convert.hf_diffusers import model_folder, scheduler_config_of
+    from zoo.convert.unet import model_folder, scheduler_config_of
     from zoo.models.unet import objective_of
 
     src = Path(src).expanduser()
@@ -487,14 +487,14 @@ class DiffusionFamily(_UNetFamily):
         """A diffusers ``UNet2DModel`` folder (or a pipeline folder with ``unet/``): its config, converted."""
         import json
 
-        from zoo.convert.hf_diffusers import diffusers_config_to_zoo, model_folder
+        from zoo.convert.unet import diffusers_config_to_zoo, model_folder
 
         folder = model_folder(src)
         config = diffusers_config_to_zoo(json.loads((folder / "config.json").read_text()))
         return self.config_class.from_dict({**config.to_dict(), **overrides}), None
 
     def import_folder(self, src, out):
-        from zoo.convert.hf_diffusers import import_unet2d
+        from zoo.convert.unet import import_unet2d
 
         import_unet2d(src, out)
 

@@ -1,0 +1,31 @@
+"""Small pieces every architecture file uses: one-line refusals naming the field, and zoo configs built from a dict
+with their validation errors as refusals."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from zoo.convert.errors import ConvertError
+
+
+def refusal(arch: str) -> Callable[[bool, str], None]:
+    """``need(ok, message)``: a ConvertError ``"<arch>: <message>"`` unless ``ok``."""
+
+    def need(ok, message: str) -> None:
+        if not ok:
+            raise ConvertError(f"{arch}: {message}")
+
+    return need
+
+
+def zoo_config(cls, fields: dict):
+    """``cls.from_dict(fields)``, its validation errors as ConvertError (one line for the command line)."""
+    try:
+        return cls.from_dict(fields)
+    except (TypeError, ValueError) as e:
+        raise ConvertError(str(e)) from None
+
+
+def hf_special(special: dict) -> dict:
+    """The bos / eos / pad ids for an HF config (None where the zoo folder kept none)."""
+    return {k: special.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
