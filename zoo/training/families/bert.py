@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from zoo.models.bert import CLASSIFIER_FAMILY, FAMILY
 from zoo.training.families import Data, Family
 
 PRETRAINING_SOURCES = ("embedded", "indexed", "synthetic")
@@ -278,7 +279,7 @@ class _BertBase(Family):
 
 
 class BertFamily(_BertBase):
-    name = "bert"
+    name = FAMILY
     head = "mlm+nsp"
 
     def loss(self, config):
@@ -478,7 +479,7 @@ def _subset(table, rows):
 
 
 class BertClassifierFamily(_BertBase):
-    name = "bert-classifier"
+    name = CLASSIFIER_FAMILY
     head = "classification"
     unit = "samples"
 
@@ -632,9 +633,9 @@ def write_classifier_init(src, out, config, *, seed: int, tokenizer_dir=None) ->
             tensors[key] = value.detach().clone()
             initialized.append(key)
     dropped = sorted(set(source) - set(tensors))
-    io.write_model_folder(out, "bert-classifier", config.to_dict(), sorted(tensors.items()),
+    io.write_model_folder(out, CLASSIFIER_FAMILY, config.to_dict(), sorted(tensors.items()),
                           tokenizer_dir=tokenizer_dir)
     return {"loaded": sorted(loaded), "initialized": sorted(initialized), "dropped": dropped}
 
 
-FAMILIES = {"bert": BertFamily(), "bert-classifier": BertClassifierFamily()}
+FAMILIES = {FAMILY: BertFamily(), CLASSIFIER_FAMILY: BertClassifierFamily()}  # zoo.training.families.REGISTRY

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from zoo.models.gpt import FAMILY
 from zoo.training.families import Data, Family, read_run_config
 
 SOURCES = ("embedded", "indexed", "synthetic", "instruct")  # instruct: launch/finetune.py (zoo.data.instruct)
@@ -27,10 +28,11 @@ def evaluated_bytes_per_token(valid, tokenizer_dir, cfg) -> float | None:
 
 
 class GPTFamily(Family):
-    name = "gpt"
+    name = FAMILY
     checkpointable_layers = ("GPTBlock",)
     init_overridable = ("hidden_dropout", "attention_dropout")
     context_parallel = True
+    fused_cross_entropy = True
 
     @property
     def config_class(self):
@@ -210,4 +212,4 @@ def trained_on_embedded_corpus(model_dir) -> bool:
         return False
 
 
-FAMILY = GPTFamily()
+FAMILIES = {FAMILY: GPTFamily()}  # zoo.training.families.REGISTRY
