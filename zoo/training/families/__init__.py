@@ -18,6 +18,7 @@ What differs between families is a :class:`Family` attribute naming the feature 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,20 @@ def has_feature(name: str, feature: str) -> bool:
 def families_with(feature: str) -> str:
     """The names of the families that have ``feature``, for a message (``"gpt"``, ``"bert or gpt"``)."""
     return " or ".join(name for name in REGISTRY.names() if getattr(REGISTRY[name], feature))
+
+
+def prepare_once(prepare, cfg, model, grid, *args) -> dict:
+    """``prepare(cache folder, vocabulary size, *args)`` of the embedded corpus (``data.cache_dir``; the vocabulary is
+    ``data.tokenizer_vocab_size`` or the model's) on every rank: global rank 0 builds the files while the others wait,
+    then every rank calls it again, which finds them finished and only reads their marker."""
+    from zoo.parallel.shards import barrier
+
+    cache = Path(os.path.expanduser(cfg.data.cache_dir))
+    vocab = cfg.data.tokenizer_vocab_size or model.vocab_size
+    if grid.rank == 0:
+        prepare(cache, vocab, *args)
+    barrier()
+    return prepare(cache, vocab, *args)
 
 
 def read_run_config(out: Path) -> dict:

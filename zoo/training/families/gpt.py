@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from zoo.models.gpt import FAMILY
-from zoo.training.families import Data, Family, read_run_config
+from zoo.training.families import Data, Family, prepare_once, read_run_config
 
 SOURCES = ("embedded", "indexed", "synthetic", "instruct")  # instruct: launch/finetune.py (zoo.data.instruct)
 
@@ -140,7 +139,6 @@ class GPTFamily(Family):
     def build_data(self, cfg, model, grid) -> Data:
         """Training and validation samples; the embedded corpus is prepared once, by global rank 0."""
         from zoo.data.synthetic import SyntheticTokens
-        from zoo.parallel.shards import barrier
 
         data, tr = cfg.data, cfg.training
         if data.source == "instruct":  # prompt/response or chat jsonl (launch/finetune.py documents the format)
@@ -158,12 +156,7 @@ class GPTFamily(Family):
 
         tokenizer, paths = data.tokenizer, data.paths
         if data.source == "embedded":
-            cache = Path(os.path.expanduser(data.cache_dir))
-            vocab = data.tokenizer_vocab_size or model.vocab_size
-            if grid.rank == 0:
-                prepare_embedded_corpus(cache, vocab)
-            barrier()
-            prepared = prepare_embedded_corpus(cache, vocab)  # finished files exist now: just reads the marker
+            prepared = prepare_once(prepare_embedded_corpus, cfg, model, grid)
             tokenizer, paths = tokenizer or prepared["tokenizer"], [prepared["prefix"]]
         train, valid = build_gpt_datasets([str(p) for p in paths], tr.seq_length, tr.seed,
                                           valid_fraction=data.valid_fraction,
