@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_CONFIG = ROOT / "configs" / "gpt" / "tiny-llama.yaml"
+DEFAULT_CONFIG = ROOT / "configs/gpt/tiny-llama.yaml"
 DEFAULT_SEQ_LENGTHS = (2048, 4096, 8192, 16384, 32768)
 DEFAULT_CP = (1, 2, 4)
 

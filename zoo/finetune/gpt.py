@@ -28,7 +28,7 @@ from zoo.training.run import (RunParser, command, layout_line, loss_change, proc
                               train_and_save)
 from zoo.training.train import resume_plan
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gpt" / "finetune.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs/gpt/finetune.yaml"
 GENERATION_CONFIG = "generation_config.json"
 
 
