@@ -37,21 +37,16 @@ def family_of(path: str | None) -> str | None:
 
 
 def generate_main(argv: list[str] | None = None) -> int:
+    """launch/generate.py: the command of the ``--ckpt`` folder's family (``zoo.generate.COMMANDS``)."""
+    from zoo.generate import command_of
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    if family_of(_flag(argv, "--ckpt")) == "unet-diffusion":
-        from zoo.generate.unet import main
-    else:
-        from zoo.generate.gpt import main
-    return main(argv)
+    return command_of(family_of(_flag(argv, "--ckpt")))(argv)
 
 
 def finetune_main(argv: list[str] | None = None) -> int:
+    """launch/finetune.py: the command of the ``--init`` folder's family (``zoo.finetune.COMMANDS``)."""
+    from zoo.finetune import command_of
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    family = family_of(_flag(argv, "--init"))
-    if family in ("bert", "bert-classifier"):
-        from zoo.finetune.bert import main
-    elif family == "unet-segmentation":
-        from zoo.finetune.unet import main
-    else:
-        from zoo.finetune.gpt import main
-    return main(argv)
+    return command_of(family_of(_flag(argv, "--init")))(argv)

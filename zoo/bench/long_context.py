@@ -46,7 +46,7 @@ from zoo.bench.common import cores, write_report
 from zoo.flags import Parser
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_CONFIG = ROOT / "configs" / "gpt" / "tiny-llama.yaml"
+DEFAULT_CONFIG = ROOT / "configs/gpt/tiny-llama.yaml"
 DEFAULT_SEQ_LENGTHS = (2048, 4096, 8192, 16384, 32768)
 DEFAULT_CP = (1, 2, 4)
 

@@ -22,12 +22,13 @@ import torch
 
 from zoo.data.instruct import InstructData, InstructError, load_instruct_data
 from zoo.finetune.common import add_finetune_flags, run_config
+from zoo.models.gpt import FAMILY
 from zoo.training.config import ConfigError, RunConfig, validate
 from zoo.training.run import (RunParser, command, layout_line, loss_change, process_group, say, start_run,
                               train_and_save)
 from zoo.training.train import resume_plan
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gpt" / "finetune.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs/gpt/finetune.yaml"
 GENERATION_CONFIG = "generation_config.json"
 
 
@@ -58,8 +59,8 @@ def config_from_args(args) -> RunConfig:
 def validate_run(cfg: RunConfig, world_size: int):
     """``config.validate`` plus what fine-tuning needs: a tokenizer. Returns the model config (from ``--init``)."""
     model_cfg = validate(cfg, world_size)  # layout, batch, sequence length, tokenizer; the JSONL is read by load_data
-    if cfg.model.family != "gpt":
-        raise ConfigError(f"fine-tuning is for the gpt family, got model.family {cfg.model.family!r}")
+    if cfg.model.family != FAMILY:
+        raise ConfigError(f"fine-tuning is for the {FAMILY} family, got model.family {cfg.model.family!r}")
     if cfg.data.tokenizer is None:
         raise ConfigError(f"{cfg.training.init_from} holds no tokenizer (tokenizer.json or tokenizer_config.json); "
                           f"pass one with --set data.tokenizer=DIR")
@@ -162,3 +163,6 @@ def run(args, cfg: RunConfig, model_cfg, resume, universal: bool, data: Instruct
 
 def main(argv=None) -> int:
     return command(parse_args(argv), plan, run, errors=(InstructError,))
+
+
+COMMANDS = {FAMILY: main}  # zoo.finetune.COMMANDS

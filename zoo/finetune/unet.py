@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from zoo.finetune.common import add_finetune_flags, run_config
+from zoo.models.unet import DIFFUSION_FAMILY, SEG_FAMILY as FAMILY
 from zoo.training.config import ConfigError, RunConfig, validate
 from zoo.training.run import (RunParser, command, layout_line, loss_change, process_group, say, start_run,
                               train_and_save)
@@ -27,7 +28,6 @@ from zoo.training.train import resume_plan
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "unet" / "segmentation.yaml"
 DEFAULT_OUT = "runs/unet-finetune"
-FAMILY = "unet-segmentation"
 
 
 def parse_args(argv=None):
@@ -123,6 +123,10 @@ def run(args, cfg: RunConfig, model_cfg, resume, universal: bool) -> int:
 def main(argv=None) -> int:
     return command(parse_args(argv), plan, run)
 
+
+# zoo.finetune.COMMANDS: a diffusion U-Net has no fine-tune command of its own (launch/finetune.py gives its folders
+# to the GPT's, which refuses them in one line).
+COMMANDS = {FAMILY: main, DIFFUSION_FAMILY: None}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -17,6 +17,7 @@ import os
 import torch
 
 from zoo.convert import io
+from zoo.models.bert import CLASSIFIER_FAMILY, FAMILY
 from zoo.models.specs import SpecSequential
 
 
@@ -70,3 +71,9 @@ class PretrainedBert(SpecSequential):
             v = self.config.vocab_size
             return (out[0][..., :v], *out[1:]) if isinstance(out, tuple) else out[..., :v]
         return out
+
+
+# zoo.generate's tables: the class load_model returns; no generate command (a BERT generates no text), so
+# launch/generate.py gives these folders to the GPT's, which refuses them in one line.
+PRETRAINED = {FAMILY: PretrainedBert, CLASSIFIER_FAMILY: PretrainedBert}
+COMMANDS = {FAMILY: None, CLASSIFIER_FAMILY: None}

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from zoo.convert import io
 from zoo.flags import Parser
 from zoo.models.generate import Generator, SamplingOptions
+from zoo.models.gpt import FAMILY
 from zoo.models.specs import SpecSequential
 
 DESCRIPTION = ("Text generation from a zoo GPT: a KV cache per block, greedy or sampled decoding, at any "
@@ -74,7 +75,7 @@ class PretrainedGPT(SpecSequential):
     tensor-parallel grid (``zoo.parallel.topology``): under one its layers would take their shards of it.
     """
 
-    family = "gpt"
+    family = FAMILY
 
     def __init__(self, config, tokenizer=None, tokenizer_dir=None):
         from zoo.models.gpt import ParallelOptions, layer_specs
@@ -185,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
         folder = resolve_model_folder(args.ckpt)
         family, config_dict = read_config(folder)
-        if family != "gpt":
-            raise ValueError(f"{folder} holds a {family!r} model; generation is for the 'gpt' family")
+        if family != FAMILY:
+            raise ValueError(f"{folder} holds a {family!r} model; generation is for the {FAMILY!r} family")
         config = GPTConfig.from_dict(config_dict)
         config.check_layout(args.tp)
         tokenizer = load_tokenizer(folder)
@@ -233,3 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                f"{out.prompt_seconds * 1e3:.0f} ms, then {decode_rate:.1f} tokens/s), tp={args.tp}",
          file=sys.stderr)
     return 0
+
+
+PRETRAINED = {FAMILY: PretrainedGPT}  # zoo.generate's tables: the class load_model returns, the command
+COMMANDS = {FAMILY: main}

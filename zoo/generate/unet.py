@@ -25,6 +25,7 @@ from zoo.convert import io
 from zoo.data.image_folders import grid_shape
 from zoo.flags import Parser
 from zoo.models.specs import SpecSequential
+from zoo.models.unet import DIFFUSION_FAMILY, SEG_FAMILY
 
 
 class PretrainedUNet(SpecSequential):
@@ -53,7 +54,7 @@ class PretrainedUNet(SpecSequential):
         except ValueError as e:
             raise io.CheckpointError(f"{folder}: {e}") from None
         io.load_model(folder, model)
-        if model.family == "unet-diffusion":
+        if model.family == DIFFUSION_FAMILY:
             model.scheduler_config = read_scheduler_config(folder)
         return model.to(device=device or "cpu", dtype=dtype).eval()
 
@@ -62,7 +63,7 @@ class PretrainedUNet(SpecSequential):
         """Diffusion U-Nets: ``"ddpm"`` or ``"flow"``, from the scheduler config; None for segmentation."""
         from zoo.models.unet import objective_of
 
-        if self.family != "unet-diffusion":
+        if self.family != DIFFUSION_FAMILY:
             return None
         return objective_of(self.scheduler_config)
 
@@ -79,7 +80,7 @@ class PretrainedUNet(SpecSequential):
     @torch.no_grad()
     def segment(self, images: torch.Tensor, batch_size: int = 16) -> torch.Tensor:
         """Per-pixel classes ``[b, H, W]`` int64 of ``images [b, C, H, W]`` in [-1, 1] (segmentation U-Nets)."""
-        if self.family != "unet-segmentation":
+        if self.family != SEG_FAMILY:
             raise ValueError(f"segment() needs a segmentation U-Net, this is {self.family}")
         dtype = next(self.parameters()).dtype
         return torch.cat([self(chunk.to(dtype)).argmax(1) for chunk in images.split(batch_size)])
@@ -91,7 +92,7 @@ class PretrainedUNet(SpecSequential):
         in ``seed``; drawn ``batch_size`` at a time (batch k seeded ``seed + k``)."""
         from zoo.models.unet import default_sample_steps, schedule_from_config
 
-        if self.family != "unet-diffusion":
+        if self.family != DIFFUSION_FAMILY:
             raise ValueError(f"sample() needs a diffusion U-Net, this is {self.family}")
         schedule = schedule_from_config(self.scheduler_config)
         steps = steps or default_sample_steps(self.objective)
@@ -154,15 +155,6 @@ def save_grid(path: str | os.PathLike, images: torch.Tensor, *, scale: int | Non
     return path
 
 
-def sample_grid(ckpt: str | os.PathLike, out: str | os.PathLike, *, num: int = 16, steps: int | None = None,
-                seed: int = 0) -> Path:
-    """Sample ``num`` images from the diffusion U-Net in ``ckpt`` into the PNG grid ``out``."""
-    model = PretrainedUNet.from_pretrained(ckpt)
-    if model.family != "unet-diffusion":
-        raise io.CheckpointError(f"{ckpt} holds a {model.family!r} model; sampling needs a unet-diffusion folder")
-    return save_grid(out, model.sample(num, steps=steps, seed=seed))
-
-
 def parse_args(argv=None):
     p = Parser(prog="python -m zoo.generate.unet",
                description="Sample a PNG grid of images from a zoo diffusion U-Net folder (DDPM "
@@ -190,8 +182,8 @@ def main(argv=None) -> int:
         return 2
     try:
         model = PretrainedUNet.from_pretrained(args.ckpt)
-        if model.family != "unet-diffusion":
-            raise io.CheckpointError(f"{args.ckpt} holds a {model.family!r} model; sampling needs a unet-diffusion "
+        if model.family != DIFFUSION_FAMILY:
+            raise io.CheckpointError(f"{args.ckpt} holds a {model.family!r} model; sampling needs a {DIFFUSION_FAMILY} "
                                      f"folder")
     except io.CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -204,6 +196,11 @@ def main(argv=None) -> int:
     print(f"wrote {path} ({args.num} images, {steps} {what} steps, seed {args.seed})")
     return 0
 
+
+# zoo.generate's tables: the class load_model returns; the command of launch/generate.py (a segmentation U-Net has
+# none of its own: its folders go to the GPT's, which refuses them in one line).
+PRETRAINED = {SEG_FAMILY: PretrainedUNet, DIFFUSION_FAMILY: PretrainedUNet}
+COMMANDS = {SEG_FAMILY: None, DIFFUSION_FAMILY: main}
 
 if __name__ == "__main__":
     sys.exit(main())

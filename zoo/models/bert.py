@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
-from zoo.models.config import TransformerConfig
+from zoo.models.config import TransformerConfig, preset_config
 from zoo.models.gpt import ParallelOptions
 from zoo.parallel.cross_entropy import vocab_parallel_cross_entropy
 from zoo.parallel.layers import (
@@ -133,9 +133,7 @@ class BertConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_di
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "BertConfig":
-        if name not in PRESETS:
-            raise ValueError(f"unknown BERT preset {name!r}; presets: {sorted(PRESETS)}")
-        return cls.from_dict({**PRESETS[name], **overrides})
+        return preset_config(cls, PRESETS, "BERT", name, overrides)
 
 
 PRESETS: dict[str, dict] = {

@@ -1,6 +1,6 @@
-"""What the model configs share: reading a config dataclass from a dict of its fields (:func:`from_fields`, every
-config), and for the Transformers (``GPTConfig``, ``BertConfig``, :class:`TransformerConfig`) Megatron's vocabulary
-padding and the check that a (tp, pp) layout can hold the model.
+"""What the model configs share: reading a config dataclass from a dict of its fields (:func:`from_fields`) or from
+a named preset (:func:`preset_config`), every config; and for the Transformers (``GPTConfig``, ``BertConfig``,
+:class:`TransformerConfig`) Megatron's vocabulary padding and the check that a (tp, pp) layout can hold the model.
 
 A Transformer config inherits :class:`TransformerConfig` and names in ``tp_split_heads`` the head counts tensor
 parallelism splits (GPT: query and key-value heads; BERT: the attention heads).
@@ -20,7 +20,24 @@ def from_fields(cls, d: dict):
     return cls(**d)
 
 
-class TransformerConfig:
+def preset_config(cls, presets: dict[str, dict], what: str, name: str, overrides: dict):
+    """``cls.from_dict`` of preset ``name`` with ``overrides`` on top (every config's ``from_preset``); an unknown name
+    is refused in one line naming the model (``what``: "GPT", "BERT", ...) and its presets."""
+    if name not in presets:
+        raise ValueError(f"unknown {what} preset {name!r}; presets: {sorted(presets)}")
+    return cls.from_dict({**presets[name], **overrides})
+
+
+class ModelConfig:
+    """Base of every config dataclass: :meth:`from_dict` reads one from a dict of its fields (a model folder's
+    ``config.json``, a run config's ``model`` section)."""
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        return from_fields(cls, d)
+
+
+class TransformerConfig(ModelConfig):
     tp_split_heads: tuple[str, ...] = ("num_attention_heads",)
 
     def padded_vocab_size(self, tp: int = 1) -> int:
@@ -42,7 +59,3 @@ class TransformerConfig:
         if self.num_hidden_layers < pp:
             raise ValueError(f"num_hidden_layers {self.num_hidden_layers} is smaller than pp {pp}; "
                              f"every pipeline stage needs at least one layer")
-
-    @classmethod
-    def from_dict(cls, d: dict):
-        return from_fields(cls, d)

@@ -39,7 +39,7 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
 from zoo.models.moe import GPTMoE
-from zoo.models.config import TransformerConfig
+from zoo.models.config import TransformerConfig, preset_config
 from zoo.parallel.context_parallel import (
     ALGORITHMS as CP_ALGORITHMS,
     check_ulysses_heads,
@@ -247,9 +247,7 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "GPTConfig":
-        if name not in PRESETS:
-            raise ValueError(f"unknown GPT preset {name!r}; presets: {sorted(PRESETS)}")
-        return cls.from_dict({**PRESETS[name], **overrides})
+        return preset_config(cls, PRESETS, "GPT", name, overrides)
 
 
 _ADDED_FIELDS = ("qkv_bias", "qk_norm", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
@@ -437,12 +435,6 @@ def rope_table(config: GPTConfig, length: int, device, dtype: torch.dtype):
             _ROPE_TABLES.clear()
         _ROPE_TABLES[key] = table
     return table
-
-
-def rope_cos_sin(config: GPTConfig, positions: torch.Tensor, dtype: torch.dtype):
-    """cos, sin of shape ``[*positions.shape, d]``, looked up in :func:`rope_table`."""
-    cos, sin = rope_table(config, int(positions.max()) + 1 if positions.numel() else 0, positions.device, dtype)
-    return cos[positions], sin[positions]
 
 
 def apply_rope(x, cos, sin):

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule
 from torch import nn
 
-from zoo.models.config import from_fields
+from zoo.models.config import ModelConfig, preset_config
 from zoo.models.gpt import ParallelOptions
 from zoo.parallel.layers import (
     ColumnParallelConv2d,
@@ -84,8 +84,18 @@ def _divisors(n: int) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+class _UNetConfig(ModelConfig):
+    """What both U-Net configs share: the layout check and the parameter count of the network they describe."""
+
+    def check_layout(self, tp: int, pp: int = 1) -> None:
+        _check_layout(self, tp, pp)
+
+    def num_parameters(self) -> int:
+        return num_parameters(self)
+
+
 @dataclass
-class SegUNetConfig:
+class SegUNetConfig(_UNetConfig):
     in_channels: int = 3
     classes: int = 4  # including the background, class 0
     block_out_channels: tuple[int, ...] = (64, 128, 256, 512)  # width per level; depth = len
@@ -112,26 +122,14 @@ class SegUNetConfig:
     def sizes(self) -> tuple[int, int]:
         return self.image_size, self.image_size
 
-    def check_layout(self, tp: int, pp: int = 1) -> None:
-        _check_layout(self, tp, pp)
-
-    def num_parameters(self) -> int:
-        return num_parameters(self)
-
     def to_dict(self) -> dict:
         d = asdict(self)
         d["block_out_channels"] = list(self.block_out_channels)
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "SegUNetConfig":
-        return from_fields(cls, d)
-
-    @classmethod
     def from_preset(cls, name: str, **overrides) -> "SegUNetConfig":
-        if name not in SEG_PRESETS:
-            raise ValueError(f"unknown segmentation U-Net preset {name!r}; presets: {sorted(SEG_PRESETS)}")
-        return cls.from_dict({**SEG_PRESETS[name], **overrides})
+        return preset_config(cls, SEG_PRESETS, "segmentation U-Net", name, overrides)
 
 
 SEG_PRESETS: dict[str, dict] = {
@@ -146,7 +144,7 @@ UP_BLOCK_TYPES = ("UpBlock2D", "AttnUpBlock2D")
 
 
 @dataclass
-class DiffusionUNetConfig:
+class DiffusionUNetConfig(_UNetConfig):
     """diffusers' ``UNet2DModel`` arguments, names and defaults (diffusers 0.42), except ``sample_size``."""
 
     sample_size: int | tuple[int, int] | None = 32
@@ -233,12 +231,6 @@ class DiffusionUNetConfig:
             raise ValueError("DiffusionUNetConfig: sample_size is None; set it (cost estimates need the image size)")
         return (s, s) if isinstance(s, int) else (int(s[0]), int(s[1]))
 
-    def check_layout(self, tp: int, pp: int = 1) -> None:
-        _check_layout(self, tp, pp)
-
-    def num_parameters(self) -> int:
-        return num_parameters(self)
-
     def to_dict(self) -> dict:
         d = asdict(self)
         for name in ("down_block_types", "up_block_types", "block_out_channels"):
@@ -248,14 +240,8 @@ class DiffusionUNetConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "DiffusionUNetConfig":
-        return from_fields(cls, d)
-
-    @classmethod
     def from_preset(cls, name: str, **overrides) -> "DiffusionUNetConfig":
-        if name not in DIFFUSION_PRESETS:
-            raise ValueError(f"unknown diffusion U-Net preset {name!r}; presets: {sorted(DIFFUSION_PRESETS)}")
-        return cls.from_dict({**DIFFUSION_PRESETS[name], **overrides})
+        return preset_config(cls, DIFFUSION_PRESETS, "diffusion U-Net", name, overrides)
 
 
 DIFFUSION_PRESETS: dict[str, dict] = {

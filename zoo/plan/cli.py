@@ -74,7 +74,7 @@ def _value(text: str):
 
 def model_config(name: str | None, sets: list[str]):
     """``(GPTConfig, preset name or None)`` from a preset, a zoo/HF folder or GPTConfig's defaults, plus --set."""
-    from zoo.models.gpt import PRESETS, GPTConfig
+    from zoo.models.gpt import FAMILY, PRESETS, GPTConfig
 
     overrides = {}
     for item in sets:
@@ -93,7 +93,7 @@ def model_config(name: str | None, sets: list[str]):
                             f"folder with a config.json")
         meta = json.loads((folder / "config.json").read_text())
         if "zoo_format" in meta:
-            if meta.get("family") != "gpt":
+            if meta.get("family") != FAMILY:
                 raise PlanError(f"{folder} holds a {meta.get('family')} model; the planner prices GPT models")
             return GPTConfig.from_dict({**meta["config"], **overrides}), None
         from zoo.convert.gpt import gpt_config_from_hf, read_hf_config
@@ -134,15 +134,15 @@ def run_config(e, job: Job, preset: str | None, gpus_per_node: int = 8, ema_deca
     average's decay, when ``job.ema``)."""
     import yaml
 
+    from zoo.models.gpt import FAMILY, GPTConfig
+
     lay = e.layout
     n = -(-job.gpus // gpus_per_node)
     nodes = f"--hostfile HOSTS --num_nodes {n} " if n > 1 else ""
-    model = {"family": "gpt", "preset": preset}  # and the model fields that differ from the preset's
+    model = {"family": FAMILY, "preset": preset}  # and the model fields that differ from the preset's
     if preset is None:
         model.update(job.config.to_dict())
     else:
-        from zoo.models.gpt import GPTConfig
-
         base = GPTConfig.from_preset(preset).to_dict()
         model.update({k: v for k, v in job.config.to_dict().items() if base.get(k) != v})
     cfg = {"model": model,

@@ -2,7 +2,7 @@
 
 A run config has four sections (see ``configs/gpt/tiny.yaml``)::
 
-    model:     {family: gpt | bert | unet-segmentation | unet-diffusion, preset: tiny, <any field of the family's config>: value}
+    model:     {family: a name of zoo.models.registry (gpt, bert, ...), preset: tiny, <any field of the family's config>: value}
     parallel:  {tp, pp, ep, zero_stage, sequence_parallel, activation_checkpointing, partition_method, cp, cp_algorithm}
     training:  {seed, steps, micro_batch_size, global_batch_size, gradient_accumulation_steps, seq_length,
                 lr, min_lr, warmup_steps, weight_decay, adam_beta1, adam_beta2, adam_eps, grad_clip, precision,
@@ -30,9 +30,17 @@ class ConfigError(ValueError):
     """A bad run configuration; the message is one line saying what and how to fix it."""
 
 
+def default_family() -> str:
+    """The family a run config without ``model.family`` trains: the GPT's (imported here, when a config is built,
+    so that importing this module stays light)."""
+    from zoo.models.gpt import FAMILY
+
+    return FAMILY
+
+
 @dataclass
 class ModelSection:
-    family: str = "gpt"
+    family: str = field(default_factory=default_family)
     preset: str | None = "tiny"
     overrides: dict = field(default_factory=dict)  # model config fields given beside `preset`
 
@@ -193,7 +201,7 @@ def from_dict(raw: dict) -> RunConfig:
         if not isinstance(section, dict):
             raise ConfigError(f"section {name!r} must be a mapping, got {type(section).__name__}")
         if cls is ModelSection:
-            family = section.pop("family", "gpt")
+            family = section.pop("family") if "family" in section else default_family()
             preset = section.pop("preset", "tiny")
             setattr(cfg, name, ModelSection(family, preset, section))
             continue
@@ -272,17 +280,20 @@ def init_model_config(cfg: RunConfig):
 
 def _validate_diffusion_options(cfg: RunConfig) -> None:
     """training.objective and the shapes options of data: where they apply and their values."""
+    from zoo.training.families import families_with, has_feature
+
     tr, data, family = cfg.training, cfg.data, cfg.model.family
     if tr.objective is not None:
-        if family != "unet-diffusion":
-            raise ConfigError(f"training.objective is for the unet-diffusion family, not {family!r}; remove it")
+        if not has_feature(family, "diffusion_objective"):
+            raise ConfigError(f"training.objective is for the {families_with('diffusion_objective')} family, not "
+                              f"{family!r}; remove it")
         if tr.objective not in ("ddpm", "flow"):
             raise ConfigError(f"training.objective must be ddpm (noise prediction) or flow (flow matching), got "
                               f"{tr.objective!r}")
     for name in ("shapes_per_image", "shape_radius", "shape_offset"):
         if getattr(data, name) is None:
             continue
-        if not family.startswith("unet-") or data.source == "folders":
+        if not has_feature(family, "embedded_shapes") or data.source == "folders":
             raise ConfigError(f"data.{name} shapes the embedded images of the U-Net families; it means nothing "
                               f"for {family!r} with data.source {data.source!r}: remove it")
     n = data.shapes_per_image
@@ -380,9 +391,11 @@ def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = N
     if tr.precision not in ("fp32", "bf16", "fp16"):
         raise ConfigError(f"training.precision must be fp32, bf16 or fp16, got {tr.precision!r}")
     if tr.fused_cross_entropy:
-        if cfg.model.family != "gpt":
-            raise ConfigError(f"training.fused_cross_entropy is for the gpt family (its LM head), not "
-                              f"{cfg.model.family!r}; remove it")
+        from zoo.training.families import families_with, has_feature
+
+        if not has_feature(cfg.model.family, "fused_cross_entropy"):
+            raise ConfigError(f"training.fused_cross_entropy is for the {families_with('fused_cross_entropy')} family "
+                              f"(its LM head), not {cfg.model.family!r}; remove it")
     if isinstance(tr.ema_decay, bool) or not isinstance(tr.ema_decay, (int, float)) or not 0 <= tr.ema_decay < 1:
         raise ConfigError(f"training.ema_decay must be a number in [0, 1) (0: no average; e.g. 0.999), got "
                           f"{tr.ema_decay!r}")
@@ -425,7 +438,7 @@ def validate_context_parallel(cfg: RunConfig, model, world_size: int) -> None:
     each TP rank's query heads over CP; sequence parallelism splits each rank's s/cp positions over TP.
     """
     from zoo.parallel.context_parallel import ALGORITHMS, check_sequence_split, check_ulysses_heads
-    from zoo.training.families import get_family
+    from zoo.training.families import families_with, get_family
 
     par, tr = cfg.parallel, cfg.training
     if not isinstance(par.cp, int) or par.cp < 1:
@@ -435,7 +448,8 @@ def validate_context_parallel(cfg: RunConfig, model, world_size: int) -> None:
     if par.cp == 1:
         return
     if not get_family(cfg.model.family).context_parallel:
-        raise ConfigError(f"context parallelism (cp={par.cp}) is for the gpt family, not {cfg.model.family!r}; "
+        raise ConfigError(f"context parallelism (cp={par.cp}) is for the {families_with('context_parallel')} family, "
+                          f"not {cfg.model.family!r}; "
                           f"use cp=1 (tp, pp and dp work for every family)")
     n = par.tp * par.cp * par.pp
     if world_size % n:

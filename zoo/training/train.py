@@ -36,7 +36,7 @@ from zoo.training.families import Data, get_family
 from zoo.training.run import (RunParser, command, init_without_tokenizer, layout_line, loss_change, process_group, say,
                               start_run, train_and_save)
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gpt" / "main.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs/gpt/main.yaml"
 
 
 def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:

@@ -9,19 +9,25 @@ A batch is whatever the family's dataset returns per sample, stacked (``zoo.data
 tensors or tuples of tensors (``(input_ids, token_type_ids, attention_mask)`` for BERT). The loss object may also keep running sums of extra
 metrics (``stats()``: e.g. correct and total masked tokens), which the loop reduces over all ranks and turns into
 ratios with ``derive_metrics``.
+
+The families are found by name in :data:`REGISTRY` (``zoo.models.registry.Registry``): each module below declares
+``FAMILIES = {family name: Family instance}``, the names being the model files' (``zoo.models.gpt.FAMILY``, ...).
+What differs between families is a :class:`Family` attribute naming the feature (``context_parallel``,
+``fused_cross_entropy``, ...), so the run config and the loop ask the family, never compare its name.
 """
 
 from __future__ import annotations
 
-import importlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# family name -> module defining FAMILY
-REGISTRY = {"gpt": "zoo.training.families.gpt", "bert": "zoo.training.families.bert",
-            "bert-classifier": "zoo.training.families.bert", "unet-segmentation": "zoo.training.families.unet",
-            "unet-diffusion": "zoo.training.families.unet"}
+from zoo.models.registry import Registry
+
+# family name -> Family, one line per module that declares families
+REGISTRY = Registry("model family", ("zoo.training.families.gpt", "zoo.training.families.bert",
+                                     "zoo.training.families.unet"), "FAMILIES")
 
 
 @dataclass
@@ -41,6 +47,9 @@ class Family:
     unit = "tokens"  # what throughput counts ("tokens" or "samples")
     init_overridable: tuple[str, ...] = ()  # config fields a run may change in a model it initializes from
     context_parallel = False  # whether parallel.cp > 1 splits its sequences (GPT only)
+    fused_cross_entropy = False  # whether training.fused_cross_entropy applies (an LM head over a vocabulary)
+    diffusion_objective = False  # whether training.objective (ddpm or flow) chooses what it learns
+    embedded_shapes = False  # whether its embedded data are drawn shapes (data.shapes_per_image, shape_radius, ...)
 
     def build_config(self, preset: str | None, overrides: dict):
         if preset is None:
@@ -112,13 +121,39 @@ class Family:
 
 
 def get_family(name: str) -> Family:
-    if name not in REGISTRY:
-        raise ValueError(f"model.family {name!r} is not known; families: {sorted(REGISTRY)}")
     try:
-        module = importlib.import_module(REGISTRY[name])
-    except ModuleNotFoundError as e:
+        known = REGISTRY.names()
+    except ModuleNotFoundError as e:  # a family module or what it imports at module level is missing
         raise ValueError(f"model.family {name!r} is not available in this version ({e.name} missing)") from None
-    return module.FAMILIES[name] if hasattr(module, "FAMILIES") else module.FAMILY
+    if name not in known:
+        raise ValueError(f"model.family {name!r} is not known; families: {known}")
+    return REGISTRY[name]
+
+
+def has_feature(name: str, feature: str) -> bool:
+    """Whether family ``name`` has ``feature`` (a :class:`Family` attribute); False for a name not known, which
+    :func:`get_family` reports on its own."""
+    family = REGISTRY.get(name)
+    return family is not None and bool(getattr(family, feature))
+
+
+def families_with(feature: str) -> str:
+    """The names of the families that have ``feature``, for a message (``"gpt"``, ``"bert or gpt"``)."""
+    return " or ".join(name for name in REGISTRY.names() if getattr(REGISTRY[name], feature))
+
+
+def prepare_once(prepare, cfg, model, grid, *args) -> dict:
+    """``prepare(cache folder, vocabulary size, *args)`` of the embedded corpus (``data.cache_dir``; the vocabulary is
+    ``data.tokenizer_vocab_size`` or the model's) on every rank: global rank 0 builds the files while the others wait,
+    then every rank calls it again, which finds them finished and only reads their marker."""
+    from zoo.parallel.shards import barrier
+
+    cache = Path(os.path.expanduser(cfg.data.cache_dir))
+    vocab = cfg.data.tokenizer_vocab_size or model.vocab_size
+    if grid.rank == 0:
+        prepare(cache, vocab, *args)
+    barrier()
+    return prepare(cache, vocab, *args)
 
 
 def read_run_config(out: Path) -> dict:

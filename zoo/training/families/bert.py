@@ -27,13 +27,13 @@ MLM head (zoo/models/bert.py); sequence parallelism is not implemented for BERT.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 
-from zoo.training.families import Data, Family
+from zoo.models.bert import CLASSIFIER_FAMILY, FAMILY
+from zoo.training.families import Data, Family, prepare_once
 
 PRETRAINING_SOURCES = ("embedded", "indexed", "synthetic")
 CLASSIFICATION_SOURCE = "classification"
@@ -278,7 +278,7 @@ class _BertBase(Family):
 
 
 class BertFamily(_BertBase):
-    name = "bert"
+    name = FAMILY
     head = "mlm+nsp"
 
     def loss(self, config):
@@ -333,7 +333,6 @@ class BertFamily(_BertBase):
     def build_data(self, cfg, model, grid) -> Data:
         """Training and validation pairs; the embedded corpus is prepared once, by global rank 0."""
         from zoo.data.bert_dataset import SyntheticBertPairs, build_bert_datasets, prepare_embedded_bert_corpus
-        from zoo.parallel.shards import barrier
 
         data, tr = cfg.data, cfg.training
         if data.source == "synthetic":
@@ -341,12 +340,7 @@ class BertFamily(_BertBase):
                         SyntheticBertPairs(model.vocab_size, tr.seq_length, seed=tr.seed + 1), data.tokenizer)
         tokenizer, paths = data.tokenizer, data.paths
         if data.source == "embedded":
-            cache = Path(os.path.expanduser(data.cache_dir))
-            vocab = data.tokenizer_vocab_size or model.vocab_size
-            if grid.rank == 0:
-                prepare_embedded_bert_corpus(cache, vocab, tokenizer)
-            barrier()
-            prepared = prepare_embedded_bert_corpus(cache, vocab, tokenizer)  # finished now: reads the marker
+            prepared = prepare_once(prepare_embedded_bert_corpus, cfg, model, grid, tokenizer)
             tokenizer, paths = prepared["tokenizer"], [prepared["prefix"]]
         tok, special = _open_tokenizer(tokenizer, model)
         train, valid = build_bert_datasets([str(p) for p in paths], tr.seq_length, tr.seed, vocab_size=len(tok),
@@ -481,7 +475,7 @@ def _subset(table, rows):
 
 
 class BertClassifierFamily(_BertBase):
-    name = "bert-classifier"
+    name = CLASSIFIER_FAMILY
     head = "classification"
     unit = "samples"
 
@@ -638,9 +632,9 @@ def write_classifier_init(src, out, config, *, seed: int, tokenizer_dir=None) ->
             tensors[key] = value.detach().clone()
             initialized.append(key)
     dropped = sorted(set(source) - set(tensors))
-    io.write_model_folder(out, "bert-classifier", config.to_dict(), sorted(tensors.items()),
+    io.write_model_folder(out, CLASSIFIER_FAMILY, config.to_dict(), sorted(tensors.items()),
                           tokenizer_dir=tokenizer_dir)
     return {"loaded": sorted(loaded), "initialized": sorted(initialized), "dropped": dropped}
 
 
-FAMILIES = {"bert": BertFamily(), "bert-classifier": BertClassifierFamily()}
+FAMILIES = {FAMILY: BertFamily(), CLASSIFIER_FAMILY: BertClassifierFamily()}  # zoo.training.families.REGISTRY

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from zoo.training.families import Data, Family, read_run_config
+from zoo.models.gpt import FAMILY
+from zoo.training.families import Data, Family, prepare_once, read_run_config
 
 SOURCES = ("embedded", "indexed", "synthetic", "instruct")  # instruct: launch/finetune.py (zoo.data.instruct)
 
@@ -27,10 +27,11 @@ def evaluated_bytes_per_token(valid, tokenizer_dir, cfg) -> float | None:
 
 
 class GPTFamily(Family):
-    name = "gpt"
+    name = FAMILY
     checkpointable_layers = ("GPTBlock",)
     init_overridable = ("hidden_dropout", "attention_dropout")
     context_parallel = True
+    fused_cross_entropy = True
 
     @property
     def config_class(self):
@@ -138,7 +139,6 @@ class GPTFamily(Family):
     def build_data(self, cfg, model, grid) -> Data:
         """Training and validation samples; the embedded corpus is prepared once, by global rank 0."""
         from zoo.data.synthetic import SyntheticTokens
-        from zoo.parallel.shards import barrier
 
         data, tr = cfg.data, cfg.training
         if data.source == "instruct":  # prompt/response or chat jsonl (launch/finetune.py documents the format)
@@ -156,12 +156,7 @@ class GPTFamily(Family):
 
         tokenizer, paths = data.tokenizer, data.paths
         if data.source == "embedded":
-            cache = Path(os.path.expanduser(data.cache_dir))
-            vocab = data.tokenizer_vocab_size or model.vocab_size
-            if grid.rank == 0:
-                prepare_embedded_corpus(cache, vocab)
-            barrier()
-            prepared = prepare_embedded_corpus(cache, vocab)  # finished files exist now: just reads the marker
+            prepared = prepare_once(prepare_embedded_corpus, cfg, model, grid)
             tokenizer, paths = tokenizer or prepared["tokenizer"], [prepared["prefix"]]
         train, valid = build_gpt_datasets([str(p) for p in paths], tr.seq_length, tr.seed,
                                           valid_fraction=data.valid_fraction,
@@ -210,4 +205,4 @@ def trained_on_embedded_corpus(model_dir) -> bool:
         return False
 
 
-FAMILY = GPTFamily()
+FAMILIES = {FAMILY: GPTFamily()}  # zoo.training.families.REGISTRY

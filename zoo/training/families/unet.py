@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from zoo.models.unet import DDPM_SAMPLE_STEPS as SAMPLE_STEPS, FLOW_SAMPLE_STEPS
+from zoo.models.unet import DDPM_SAMPLE_STEPS as SAMPLE_STEPS, DIFFUSION_FAMILY, FLOW_SAMPLE_STEPS, SEG_FAMILY
 from zoo.training.families import Data, Family, read_run_config
 
 SOURCES = ("embedded", "synthetic", "folders")
@@ -245,6 +245,7 @@ def grid_path(out, step: int) -> Path:
 
 class _UNetFamily(Family):
     unit = "samples"
+    embedded_shapes = True
 
     @property
     def checkpointable_layers(self):
@@ -310,7 +311,7 @@ class _UNetFamily(Family):
 
 
 class SegmentationFamily(_UNetFamily):
-    name = "unet-segmentation"
+    name = SEG_FAMILY
 
     @property
     def config_class(self):
@@ -475,7 +476,8 @@ def init_objective(src) -> str:
 
 
 class DiffusionFamily(_UNetFamily):
-    name = "unet-diffusion"
+    name = DIFFUSION_FAMILY
+    diffusion_objective = True
 
     @property
     def config_class(self):
@@ -584,4 +586,4 @@ class DiffusionFamily(_UNetFamily):
         return {"samples": path}
 
 
-FAMILIES = {"unet-segmentation": SegmentationFamily(), "unet-diffusion": DiffusionFamily()}
+FAMILIES = {SEG_FAMILY: SegmentationFamily(), DIFFUSION_FAMILY: DiffusionFamily()}  # zoo.training.families.REGISTRY
