@@ -9,7 +9,6 @@ adding one means adding its line here (docs/adding-a-model.md).
 
 from __future__ import annotations
 
-import ast
 import re
 from pathlib import Path
 
@@ -23,7 +22,6 @@ from tests.convert import test_hf_gpt as gpt_cases
 from tests.convert import test_hf_moe as moe_cases
 from zoo.convert.cli import main
 from zoo.convert.registry import ARCHITECTURES, FAMILIES, hf_family
-from zoo.models.registry import family_names
 
 TOL = 1e-4
 CONVERT = Path(__file__).resolve().parents[2] / "zoo" / "convert"
@@ -95,26 +93,3 @@ def test_import_verify_export(name, tmp_path, capsys, monkeypatch):
     assert sorted(exported) == sorted(original)
     for key, t in original.items():
         assert exported[key].dtype == t.dtype and torch.equal(exported[key], t), key
-
-
-def test_no_family_named_outside_its_own_files():
-    """zoo/convert and zoo.dispatch.family_of find families in the registries: a string literal that is a family
-    name appears only in that family's own files (its converter and its architectures)."""
-    own = {"gpt.py", "bert.py", "unet.py", *(f"hf/{p.name}" for p in (CONVERT / "hf").glob("*.py"))}
-    names = set(family_names())
-    found = []
-    for path in sorted(CONVERT.rglob("*.py")):
-        rel = path.relative_to(CONVERT).as_posix()
-        if rel not in own:
-            found += [f"zoo/convert/{rel}:{n.lineno} {n.value!r}" for n in string_literals(path.read_text())
-                      if n.value in names]
-    dispatch = (CONVERT.parent / "dispatch.py").read_text()
-    family_of = next(n for n in ast.walk(ast.parse(dispatch)) if isinstance(n, ast.FunctionDef)
-                     and n.name == "family_of")
-    found += [f"zoo/dispatch.py:{n.lineno} {n.value!r}" for n in string_literals(family_of) if n.value in names]
-    assert not found, "look the family up in a registry instead:\n" + "\n".join(found)
-
-
-def string_literals(source) -> list:
-    tree = ast.parse(source) if isinstance(source, str) else source
-    return [n for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]

@@ -181,14 +181,15 @@ def hf_to_zoo(src, out, *, dtype=None, allow_pickle: bool = False, max_shard_byt
 
 def zoo_to_hf(src, out, *, dtype=None, max_shard_bytes: int = io.DEFAULT_SHARD_BYTES, fused_experts: bool = False):
     """The converter of the zoo folder's family exports it (``fused_experts``: MoE GPTs only)."""
-    from zoo.convert.registry import FAMILIES
+    from zoo.convert.registry import FAMILIES, convertible
 
     family = io.read_config(src)[0]
     converter = FAMILIES.get(family)
     if fused_experts and not getattr(converter, "expert_parallel", False):
         raise ConvertError(f"{src} holds a {family!r} model; --fused-experts is for mixture-of-experts GPTs")
     if converter is None:
-        raise ConvertError(f"{src} holds a {family!r} model; zoo-to-hf exports the families {', '.join(FAMILIES)}")
+        raise ConvertError(f"{src} holds a {family!r} model; zoo-to-hf exports the families "
+                           f"{', '.join(convertible())}")
     return converter.export(src, out, dtype=dtype, max_shard_bytes=max_shard_bytes, fused_experts=fused_experts)
 
 

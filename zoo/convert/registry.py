@@ -75,6 +75,11 @@ FAMILIES = Registry("convertible family", (
 ), "FAMILIES")
 
 
+def convertible() -> list[str]:
+    """The families zoo-to-hf exports and verify compares (a family may be listed without a converter)."""
+    return [name for name, converter in FAMILIES.items() if converter is not None]
+
+
 def names(library: str = "transformers") -> list[str]:
     """The registered class names of ``library`` ("transformers" or "diffusers"), in registration order."""
     return [name for name, a in ARCHITECTURES.items() if a.library == library]

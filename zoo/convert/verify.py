@@ -74,12 +74,13 @@ def verify_report(hf, zoo, tp: int = 1, pp: int = 1, *, ep: int = 1, batch: int 
     ``max_memory`` (bytes; the families that stream): neither side holds the whole model. The zoo side runs one
     layer at a time (:func:`streamed_forward`, pp 1, any tp), the HF side loads through accelerate with that cap
     (:func:`hf_loading`)."""
-    from zoo.convert.registry import FAMILIES
+    from zoo.convert.registry import FAMILIES, convertible
 
     family = read_zoo_config(zoo)[0]
     converter = FAMILIES.get(family)
     if converter is None:
-        raise ConvertError(f"{zoo} holds a {family!r} model; verify compares the families {', '.join(FAMILIES)}")
+        raise ConvertError(f"{zoo} holds a {family!r} model; verify compares the families "
+                           f"{', '.join(convertible())}")
     if ep != 1 and not converter.expert_parallel:
         raise ConvertError(f"ep {ep} is for mixture-of-experts GPTs; {zoo} holds a {family!r} model: use ep 1")
     if max_memory is not None:
@@ -95,7 +96,7 @@ def check_memory_cap(max_memory: int, family: str, pp: int) -> None:
     if max_memory <= 0:
         raise ConvertError(f"--max-memory must be a positive size (e.g. 2GB), got {max_memory} bytes")
     if not FAMILIES[family].streams:
-        streaming = list(dict.fromkeys(c.name for _, c in FAMILIES.items() if c.streams))
+        streaming = list(dict.fromkeys(c.name for _, c in FAMILIES.items() if c is not None and c.streams))
         raise ConvertError(f"--max-memory is for {' and '.join(streaming)} folders; {family!r} models are checked "
                            f"whole: drop it")
     if pp != 1:
