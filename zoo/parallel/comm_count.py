@@ -157,12 +157,10 @@ class CommCounter:
             name = next((n for n, f in originals.items() if f is fn), None)
             if name is not None:
                 self._swap(mappings, attr, name)
-        try:  # DeepSpeed's torch backend keeps the all-gather / reduce-scatter it picked at start-up
-            from deepspeed.comm import comm as ds_comm
+        from zoo.compat.deepspeed import comm_backend
 
-            backend = getattr(ds_comm, "cdb", None)
-        except ImportError:
-            backend = None
+        # DeepSpeed's torch backend keeps the all-gather / reduce-scatter it picked at start-up
+        backend = comm_backend()
         for attr in ("all_gather_function", "reduce_scatter_function"):
             fn = getattr(backend, attr, None) if backend is not None else None
             name = next((n for n, f in originals.items() if f is fn), None)
