@@ -209,10 +209,7 @@ def test_after_each_pipe_instruction():
            "PipelineEngine._exec_schedule no longer dispatches through self._INSTRUCTION_MAP")
     calls = []
 
-    class Engine:
-        _INSTRUCTION_MAP = {int: lambda self, x: calls.append(x)}
-
-    engine = Engine()
+    engine = type("Engine", (), {"_INSTRUCTION_MAP": {int: lambda self, x: calls.append(x)}})()
     assert ds_compat.is_pipeline_engine(engine)
     with ds_compat.after_each_pipe_instruction(engine, lambda: calls.append("after")):
         engine._INSTRUCTION_MAP[int](engine, 1)

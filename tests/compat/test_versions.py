@@ -66,7 +66,7 @@ def test_the_line_comes_where_zoo_first_imports_deepspeed():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("RANK", None)
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.startswith("zoo:")]
     assert len(lines) == 1 and "deepspeed 0.20.1 is outside the tested range 0.19.x (>=0.19.8,<0.20)" in lines[0], \

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def accelerate_loop(overrides):
     """The loop of launch/accelerate_loop.py in this worker; leaves no Accelerate state or environment behind."""
     import torch.distributed as dist
+
     from zoo.compat.accelerate import reset_state
 
     spec = importlib.util.spec_from_file_location("accelerate_loop", ROOT / "launch/accelerate_loop.py")

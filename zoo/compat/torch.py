@@ -7,7 +7,6 @@ issue known" means none was found that asks for the public API the piece stands 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 # ---------------------------------------------------------------------------------------------------------------
 # torch.compile

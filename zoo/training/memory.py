@@ -4,7 +4,8 @@ The layout planner predicts, for every rank of a layout, the bytes of parameters
 activations. This module measures the same four in a real run, on any machine (CPU included: nothing here needs an
 allocator's statistics), so the prediction can be held against it. A run measures its first step (the first one
 this process runs, also after a resume) and only that one: the hooks are removed when it ends, later steps cost
-nothing.
+nothing. The measured step costs more (configs/gpt/tiny.yaml on 2 CPU ranks: +11% of its CPU time at tp=2, nothing
+measurable at dp=2), once per run: under 0.04% of that run's 300 steps.
 
 Bytes are counted by storage. A tensor counts as the whole storage it lives in, and a storage counts once however
 many tensors view it (``untyped_storage().data_ptr()``), so DeepSpeed's flat buffers and the parameter and gradient
