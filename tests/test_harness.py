@@ -10,20 +10,21 @@ from tests.conftest import THREAD_BOUND, DistPool
 def _make_groups(n):
     import torch
     import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
+
+    from zoo.compat.torch import process_groups
 
     world = dist.get_world_size()
     for _ in range(n):
         g = dist.new_group(ranks=list(range(world)))
         t = torch.ones(1)
         dist.all_reduce(t, group=g)  # a used group: its connections (and threads) really exist
-    return len(c10d._world.pg_map)
+    return len(process_groups())
 
 
 def _count_groups():
-    from torch.distributed import distributed_c10d as c10d
+    from zoo.compat.torch import process_groups
 
-    return len(c10d._world.pg_map)
+    return len(process_groups())
 
 
 _parked = threading.Event()

@@ -8,8 +8,8 @@ import ast
 from pathlib import Path
 
 ZOO = Path(__file__).resolve().parents[1] / "zoo"
-ORDER = ["progress", "flags", "parallel", "models", "convert", "data", "generate", "training", "finetune", "bench",
-         "plan", "dispatch"]
+ORDER = ["compat", "progress", "flags", "parallel", "models", "convert", "data", "generate", "training", "finetune",
+         "bench", "plan", "dispatch"]
 LEVEL = {name: i for i, name in enumerate(ORDER)}
 LEVEL["bench"] = LEVEL["plan"] = LEVEL["finetune"]  # siblings: none imports another
 LEVEL["flags"] = LEVEL["progress"]  # level 0 too: small modules every layer may use

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def accelerate_loop(overrides):
     """The loop of launch/accelerate_loop.py in this worker; leaves no Accelerate state or environment behind."""
     import torch.distributed as dist
-    from accelerate.state import AcceleratorState, GradientState
+
+    from zoo.compat.accelerate import reset_state
 
     spec = importlib.util.spec_from_file_location("accelerate_loop", ROOT / "launch/accelerate_loop.py")
     loop = importlib.util.module_from_spec(spec)
@@ -31,8 +32,7 @@ def accelerate_loop(overrides):
         cfg, model_cfg = loop.plan(args, dist.get_world_size())
         return loop.train_loop(cfg, model_cfg, log=lambda line: None)
     finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+        reset_state()
         os.environ.clear()
         os.environ.update(env)
 

@@ -38,18 +38,13 @@ def _cpu_step_peak_bytes(trainee: Trainee, ids, labels) -> int | None:
     previous = os.environ.get("KINETO_LOG_LEVEL")
     os.environ["KINETO_LOG_LEVEL"] = "6"
     try:
-        from torch._C._profiler import _EventType
         from torch.profiler import ProfilerActivity, profile
+
+        from zoo.compat.torch import cpu_allocations
 
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             trainee.train_step(ids, labels)
-        events = []
-        stack = list(prof.profiler.kineto_results.experimental_event_tree())
-        while stack:
-            node = stack.pop()
-            if node.tag == _EventType.Allocation and str(node.extra_fields.device).startswith("cpu"):
-                events.append((node.start_time_ns, node.extra_fields.alloc_size))
-            stack.extend(node.children)
+        events = cpu_allocations(prof)
     except Exception:  # private profiler API: no memory figure rather than no benchmark
         return None
     finally:

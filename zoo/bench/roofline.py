@@ -24,7 +24,9 @@ def gemm_shapes(trainee: Trainee, ids, labels) -> dict:
     share: the roofline does not credit the step for half-masked work a kernel can skip."""
     from collections import Counter
 
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from zoo.compat.torch import dispatch_mode_class
+
+    TorchDispatchMode = dispatch_mode_class()
 
     aten = torch.ops.aten
     # the out= and in-place forms too: zoo's fused cross entropy writes its input gradient with torch.mm(..., out=)
@@ -72,7 +74,9 @@ def causal_share(queries: int, keys: int) -> float:
 
 def attention_products(func, args, kwargs) -> dict:
     """``{gemm shape: calls}`` of the products one fused attention op runs (see ``gemm_shapes``)."""
-    named = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+    from zoo.compat.torch import op_argument_names
+
+    named = dict(zip(op_argument_names(func), args)) | kwargs
     q, k = named["query"], named["key"]  # [b, heads, s, d] and [b, kv heads, s_kv, d]
     batch, s, s_kv, d = q.shape[0] * q.shape[1], q.shape[-2], k.shape[-2], q.shape[-1]
     dv = named["value"].shape[-1]

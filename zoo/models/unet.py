@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule
 from torch import nn
 
+from zoo.compat.deepspeed import PipelineModuleWithParts
 from zoo.models.config import ModelConfig, preset_config
 from zoo.models.gpt import ParallelOptions
 from zoo.parallel.layers import (
@@ -759,11 +760,11 @@ def unflatten_activations(flat: torch.Tensor, shapes: torch.Tensor) -> tuple[tor
     return tuple(t.view(d) for t, d in zip(torch.split(flat, sizes), dims))
 
 
-class UNetPipelineModule(PipelineModule):
+class UNetPipelineModule(PipelineModuleWithParts):
     """DeepSpeed's ``PipelineModule`` with two changes for U-Nets; keys, seeds and layers are the same.
 
     - Stage boundaries: given ``parts`` (e.g. :func:`pipeline_parts`, balanced by FLOPs), or, with ``parts=None``,
-      DeepSpeed's ``partition_method`` ("parameters", "uniform", "type:regex").
+      DeepSpeed's ``partition_method`` ("parameters", "uniform", "type:regex") (``zoo.compat.deepspeed``).
     - Stage outputs travel as ``(flat, shapes)`` (:func:`flatten_activations`): one float tensor and one int64
       header instead of ``(h, temb, *skips)``. DeepSpeed 0.19's engine runs one ``backward`` per float tensor a
       stage sends (with ``retain_graph``), which re-runs the backward of the layers behind every skip and breaks a
@@ -772,26 +773,11 @@ class UNetPipelineModule(PipelineModule):
       a single activation for DeepSpeed's ``pipe_partitioned`` split over TP.
     """
 
-    def __init__(self, *args, parts: list[int] | None = None, **kwargs):
-        self._zoo_parts = None if parts is None else list(parts)  # read by _partition_layers in __init__
-        super().__init__(*args, **kwargs)
-
-    def _partition_layers(self, method="uniform"):
-        if self._zoo_parts is None:
-            return super()._partition_layers(method)
-        if len(self._zoo_parts) != self.num_stages + 1 or self._zoo_parts[0] != 0 or \
-                self._zoo_parts[-1] != len(self._layer_specs):
-            raise ValueError(f"parts {self._zoo_parts} do not split {len(self._layer_specs)} layers into "
-                             f"{self.num_stages} stages")
-        self.parts = list(self._zoo_parts)
-        stage = self._topo.get_coord(self.global_rank).pipe
-        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
-
     def forward(self, forward_input):
-        if self._local_start > 0:
+        if self.stage_start > 0:
             forward_input = unflatten_activations(*forward_input)
         out = super().forward(forward_input)
-        if self._local_stop < len(self._layer_specs):
+        if self.stage_stop < self.num_layers:
             out = flatten_activations(out)
         return out
 

@@ -3,6 +3,7 @@
 This package is the only one in zoo that talks to torch.distributed directly.
 """
 
+import zoo.compat  # noqa: F401  first: checks the DeepSpeed and torch versions once, before zoo imports DeepSpeed
 from zoo.parallel.cross_entropy import vocab_parallel_cross_entropy
 from zoo.parallel.layers import (
     ColumnParallelConv2d,

@@ -74,7 +74,6 @@ from __future__ import annotations
 import atexit
 import gc
 import os
-import re
 import weakref
 from dataclasses import dataclass
 
@@ -280,13 +279,10 @@ class ParallelGrid:
         expert partitioning and its MoE checkpoint code look them up by ``expert_group_name``."""
         if self.ep == 1:
             return
-        from deepspeed.utils import groups as ds_groups
+        from zoo.compat import deepspeed as ds_compat
 
-        name = self.expert_group_name
-        ds_groups._EXPERT_PARALLEL_GROUP[name] = self._ep.group
-        ds_groups._EXPERT_PARALLEL_GROUP_RANKS[name] = list(self._ep.ranks)
-        ds_groups._EXPERT_DATA_PARALLEL_GROUP[name] = self._edp.group
-        ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = list(self._edp.ranks)
+        ds_compat.register_expert_groups(self.expert_group_name, self._ep.group, self._ep.ranks, self._edp.group,
+                                         self._edp.ranks)
 
     def forget_groups(self) -> None:
         """Drop this grid's references to its process groups (ranks stay), so that a destroyed group's threads end
@@ -466,22 +462,14 @@ def release_groups() -> int:
     _CURRENT = None
     if not (dist.is_available() and dist.is_initialized()):
         return 0
-    from deepspeed.utils import groups as ds_groups
     from torch.distributed import distributed_c10d as c10d
 
-    for name, value in list(vars(ds_groups).items()):  # DeepSpeed's caches (_EXPERT_PARALLEL_GROUP, ...)
-        if re.fullmatch(r"_[A-Z_]+", name) and not isinstance(value, str):
-            value.clear() if isinstance(value, dict) else setattr(ds_groups, name, None)
-    ds_groups.mpu, ds_groups.mesh_device = None, None
-    from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
+    from zoo.compat import deepspeed as ds_compat
+    from zoo.compat import torch as torch_compat
 
-    from deepspeed.runtime.pipe import p2p as ds_p2p
-
-    ds_checkpointing.mpu, ds_checkpointing.mp_group = None, None  # configure() points these at a grid
-    ds_p2p._groups, ds_p2p._grid = None, None  # a pipeline engine's send/recv groups
-    ds_p2p._async.clear()
+    ds_compat.clear_group_caches()  # deepspeed.utils.groups, activation checkpointing's mpu, the pipeline's p2p
     world = c10d.GroupMember.WORLD
-    extra = [pg for pg in list(c10d._world.pg_map) if pg is not world]
+    extra = [pg for pg in torch_compat.process_groups() if pg is not world]
     for pg in extra:
         dist.destroy_process_group(pg)
     # A group's threads end when its last reference goes, and engines that used it often sit in reference cycles.

@@ -383,19 +383,13 @@ def to_universal(found: Found) -> str:
     tag = found.tag + UNIVERSAL_SUFFIX
     out = found.root / tag
     if global_rank() == 0 and not _converted(found, out):
-        import argparse
-
-        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-
+        from zoo.compat.deepspeed import convert_to_universal
         from zoo.training import moe
 
         tmp = found.root / f"{tag}.partial"
         shutil.rmtree(tmp, ignore_errors=True)
-        args = argparse.Namespace(input_folder=str(found.root / found.tag), output_folder=str(tmp),
-                                  num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
-                                  inject_missing_state=False)
         with moe.universal_without_experts(found.root / found.tag):
-            ds_to_universal(args)
+            convert_to_universal(found.root / found.tag, tmp)
         moe.patch_universal(found.root / found.tag, tmp)  # experts: whole (from zoo's files at ep > 1), cut by ep
         shutil.copy2(found.root / found.tag / META, tmp / META)
         shutil.rmtree(out, ignore_errors=True)

@@ -401,9 +401,9 @@ def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = N
                           f"{tr.ema_decay!r}")
     _validate_diffusion_options(cfg)
     if tr.compile:
-        import torch._dynamo
+        from zoo.compat.torch import compile_backends
 
-        backends = torch._dynamo.list_backends(exclude_tags=())
+        backends = compile_backends()
         if tr.compile_backend not in backends + ["inductor"]:
             raise ConfigError(f"training.compile_backend {tr.compile_backend!r} is not a torch.compile backend; "
                               f"use one of {sorted(set(backends + ['inductor']))}")

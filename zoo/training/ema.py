@@ -25,6 +25,9 @@ from pathlib import Path
 
 import torch
 
+from zoo.compat.torch import foreach_lerp_
+
+
 def decay_at(step: int, decay: float) -> float:
     """The decay applied after optimizer step ``step`` (1-based)."""
     return min(decay, (1.0 + step) / (10.0 + step))
@@ -44,7 +47,7 @@ class EMA:
     def update(self, step: int) -> None:
         """Move the average towards the weights after optimizer step ``step`` (1-based)."""
         weight = 1.0 - decay_at(step, self.decay)
-        torch._foreach_lerp_(self.shadow, [held(p).detach().float() for p in self.params], weight)
+        foreach_lerp_(self.shadow, [held(p).detach().float() for p in self.params], weight)
 
     @contextlib.contextmanager
     def swapped(self, write_back: bool = False):

@@ -44,6 +44,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
+from zoo.compat import deepspeed as ds_compat
 from zoo.models.gpt import GPTBlock
 from zoo.models.moe import GPTMoE
 from zoo.parallel.shards import full_tensor
@@ -83,29 +84,19 @@ def split_expert_param_groups(groups: list[dict], expert_parallel: bool = True) 
     return named + experts
 
 
-@contextlib.contextmanager
 def deepspeed_sees_moe():
     """While ``deepspeed.initialize`` runs: DeepSpeed's engine counts ``GPTMoE`` as one of its ``MoE`` layers, so it
     builds with ``has_moe_layers`` (expert-aware gradient reduction, ZeRO partitions over EDP, expert norms)."""
-    from deepspeed.runtime import engine as ds_engine
-
-    original = ds_engine.MoE
-    ds_engine.MoE = (original, GPTMoE)  # read by isinstance() in DeepSpeedEngine._configure_distributed_model
-    try:
-        yield
-    finally:
-        ds_engine.MoE = original
+    return ds_compat.engine_counts_as_moe(GPTMoE)
 
 
 def check_expert_gradient_divisor(engine, grid) -> None:
     """Refuse an engine that would average expert gradients over other than dp ranks (see the module docstring)."""
-    from deepspeed.utils import groups as ds_groups
-
     if not getattr(engine, "has_moe_layers", False):
         raise RuntimeError("DeepSpeed did not take the model's expert layers as MoE layers; expert gradients would "
                            "be averaged over all data-parallel ranks")
     # ZeRO-0 divides by the first, ZeRO-1/2 by the second (their dp_process_group); DeepSpeed's dp is dp x cp.
-    for divisor in (dist.get_world_size(ds_groups._get_data_parallel_group()), engine.seq_dp_world_size):
+    for divisor in (dist.get_world_size(ds_compat.data_parallel_group()), engine.seq_dp_world_size):
         if divisor != grid.dp * grid.cp:
             raise RuntimeError(f"DeepSpeed would divide expert gradients by {divisor}, not by dp x cp "
                                f"{grid.dp * grid.cp}")
@@ -146,7 +137,7 @@ class MoETraining:
         """Give every MoE layer the factor the engine applies to the loss before backward (module docstring)."""
         scale = 1.0 / self.gas
         if precision == "fp16":
-            scale *= float(engine._get_optimizer_loss_scale() or 1.0)
+            scale *= float(ds_compat.optimizer_loss_scale(engine) or 1.0)
         for _, layer in self.layers:
             layer.aux_loss_scale = scale
 
@@ -196,15 +187,9 @@ EXPERT_FILE = "zoo_experts_pp{:02d}.safetensors"
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 
 
-@contextlib.contextmanager
 def checkpoint_as_dense(engine):
     """While DeepSpeed saves or loads: it takes the engine for one without MoE layers (see above)."""
-    had = getattr(engine, "has_moe_layers", False)
-    engine.has_moe_layers = False
-    try:
-        yield
-    finally:
-        engine.has_moe_layers = had
+    return ds_compat.moe_layers_hidden(engine)
 
 
 def expert_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
@@ -233,7 +218,7 @@ def _optimizer_state(engine, param, key: str | None) -> torch.Tensor:
     ZeRO partition group under ZeRO-1/2 (DeepSpeed's tensor fragments); local without ZeRO."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    if hasattr(param, "_hp_mapping"):
+    if ds_compat.has_tensor_fragment(param):
         value = safe_get_full_fp32_param(param) if key is None else safe_get_full_optimizer_state(param, key)
     elif key is None:
         value = param.data
@@ -248,9 +233,9 @@ def _set_optimizer_state(engine, param, key: str | None, value: torch.Tensor) ->
     value = value.to(param.device)
     if key is None:
         param.data.copy_(value.to(param.dtype))
-        if hasattr(param, "_hp_mapping"):
+        if ds_compat.has_tensor_fragment(param):
             safe_set_full_fp32_param(param, value)
-    elif hasattr(param, "_hp_mapping"):
+    elif ds_compat.has_tensor_fragment(param):
         safe_set_full_optimizer_state(param, value, key)
     else:
         engine.optimizer.state[param][key].copy_(value)
@@ -325,28 +310,19 @@ def universal_without_experts(folder):
     """While ``ds_to_universal`` converts ``folder``: it leaves out the experts of an ep > 1 checkpoint (their ZeRO
     fragments are partitions over the expert-data-parallel ranks, which it would merge as if over all of dp);
     :func:`patch_universal` writes them whole. A checkpoint of ep 1 converts as any other."""
-    from deepspeed.checkpoint import ds_to_universal
-
     names = {name for name in expert_files(folder) if "/" not in name}
     if not names:
         yield
         return
-    original = ds_to_universal._merge_tp_slice_files
 
-    def merge(args, uc_info, tp_degree, slice_shapes, temp_dir, exclude_param_names=None):
-        left_out = set(exclude_param_names or ()) | names
-        kept = [n for n in slice_shapes if n not in left_out]
+    def without_expert_patterns(uc_info, kept):
         # Its strict mode fails on a pattern that matches nothing it merges: drop those that only named experts.
-        uc_info = {key: [p for p in value if not any(re.match(p, n) for n in names) or
-                         any(re.match(p, n) for n in kept)] if isinstance(value, list) else value
-                   for key, value in uc_info.items()}
-        return original(args, uc_info, tp_degree, slice_shapes, temp_dir, left_out)
+        return {key: [p for p in value if not any(re.match(p, n) for n in names) or
+                      any(re.match(p, n) for n in kept)] if isinstance(value, list) else value
+                for key, value in uc_info.items()}
 
-    ds_to_universal._merge_tp_slice_files = merge
-    try:
+    with ds_compat.universal_merge_leaving_out(names, without_expert_patterns):
         yield
-    finally:
-        ds_to_universal._merge_tp_slice_files = original
 
 
 def patch_universal(folder, universal_folder) -> int:

@@ -22,6 +22,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from zoo.compat import deepspeed as ds_compat
 from zoo.parallel.grad_norm import clip_grad_norm_
 
 
@@ -43,15 +44,16 @@ class NonFiniteSteps:
 
         def step(*args, **kwargs):
             # With clipping, the engine's clip hook has just computed the norm (zoo.training.train.build_engine).
-            norm = engine._global_grad_norm if grad_clip > 0 else clip_grad_norm_(engine.module.parameters(),
-                                                                                   math.inf, grid)
+            norm = ds_compat.global_grad_norm(engine) if grad_clip > 0 else clip_grad_norm_(
+                engine.module.parameters(), math.inf, grid)
             bad = torch.tensor([0.0 if norm is not None and math.isfinite(norm) else 1.0])
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-            optimizer.overflow = bool(bad.item())  # read by DeepSpeed's _take_model_step: no LR step, counted
-            if not optimizer.overflow:
+            overflow = bool(bad.item())
+            ds_compat.set_overflow(optimizer, overflow)  # DeepSpeed then takes no LR step and counts it skipped
+            if not overflow:
                 return unguarded(*args, **kwargs)
-            engine._global_grad_norm = float("inf")
+            ds_compat.set_global_grad_norm(engine, float("inf"))
             return None
 
         optimizer.step = step

@@ -144,7 +144,9 @@ ACCELERATE_ONE_PROCESS = ("warning: accelerate launch started one process: witho
 def accelerate_started_one_process(env) -> bool:
     """Whether this is ``accelerate launch --num_processes N`` (N > 1) that started one plain process: its simple
     launcher (no ``--multi_gpu`` on a machine without several GPUs) sets MASTER_ADDR for N > 1 but no WORLD_SIZE."""
-    return "ACCELERATE_DYNAMO_BACKEND" in env and "MASTER_ADDR" in env and "WORLD_SIZE" not in env
+    from zoo.compat.accelerate import launched_settings
+
+    return launched_settings(env)["one_process"]
 
 
 def accelerate_flags_problem(cfg: RunConfig, env) -> str | None:
@@ -153,15 +155,18 @@ def accelerate_flags_problem(cfg: RunConfig, env) -> str | None:
     accelerate's launcher passes its DeepSpeed and precision flags in the environment for an ``Accelerator`` to read;
     zoo makes the DeepSpeed config from the run config (zoo.training.config.deepspeed_config) and reads none of
     them, so a launch whose flags say otherwise is refused rather than run another way than asked."""
-    zero = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
-    if env.get("ACCELERATE_USE_DEEPSPEED") == "true" and zero is not None and zero != str(cfg.parallel.zero_stage):
+    from zoo.compat.accelerate import launched_settings
+
+    launched = launched_settings(env)
+    zero = launched["zero_stage"]
+    if launched["deepspeed"] and zero is not None and zero != str(cfg.parallel.zero_stage):
         return (f"accelerate launch --zero_stage {zero}, but the run config has parallel.zero_stage "
                 f"{cfg.parallel.zero_stage} and zoo makes the DeepSpeed config from the run config: pass --zero {zero}")
-    if env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"):
-        return (f"accelerate launch --deepspeed_config_file {env['ACCELERATE_DEEPSPEED_CONFIG_FILE']}: zoo makes the "
+    if launched["deepspeed_config_file"]:
+        return (f"accelerate launch --deepspeed_config_file {launched['deepspeed_config_file']}: zoo makes the "
                 f"DeepSpeed config from the run config and would not read it; drop it and set the run config instead "
                 f"(--zero, --set training.precision=...)")
-    precision = env.get("ACCELERATE_MIXED_PRECISION", "no")
+    precision = launched["mixed_precision"]
     if precision in ("bf16", "fp16") and precision != cfg.training.precision:
         return (f"accelerate launch --mixed_precision {precision}, but the run config trains in "
                 f"{cfg.training.precision}; pass --set training.precision={precision}")

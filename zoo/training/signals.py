@@ -73,9 +73,9 @@ def unanswered_ranks(world_size: int, rank: int, wait_s: float = ROLL_CALL_SECON
     import time
 
     try:
-        from torch.distributed.distributed_c10d import _get_default_store
+        from zoo.compat.torch import default_store
 
-        store = _get_default_store()
+        store = default_store()
         store.set(f"zoo/alive/{rank}", "1")
         deadline = time.monotonic() + wait_s
         while True:

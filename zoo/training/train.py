@@ -92,14 +92,15 @@ def compile_blocks(module: torch.nn.Module, names, backend: str = "inductor") ->
 
 def compiled_graphs() -> int:
     """Graphs torch.compile has made in this process so far."""
-    import torch._dynamo.utils
+    from zoo.compat.torch import compiled_graph_count
 
-    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    return compiled_graph_count()
 
 
 def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False, init_dir: Path | None = None):
     import deepspeed
 
+    from zoo.compat import deepspeed as ds_compat
     from zoo.models.specs import SpecSequential
     from zoo.parallel.grad_norm import clip_grad_norm_
     from zoo.parallel.random import configure_activation_checkpointing, model_parallel_seed
@@ -145,7 +146,7 @@ def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False, init_
         moe.mark_expert_params(module, grid.expert_group_name)
     if getattr(model_cfg, "num_experts", 0):
         groups = moe.split_expert_param_groups(groups, expert_parallel)
-    import_muon_with_deferred_compile()
+    ds_compat.import_muon_with_deferred_compile()  # ~1.6 s less start-up (zoo.compat.deepspeed)
     with moe.deepspeed_sees_moe() if expert_parallel else contextlib.nullcontext():
         engine, *_ = deepspeed.initialize(model=module, model_parameters=groups, config=ds_config, mpu=mpu,
                                           lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
@@ -154,9 +155,9 @@ def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False, init_
     if par.zero_stage == 0 and tr.precision == "fp32" and tr.grad_clip > 0:
         # DeepSpeed's fp32 clipping miscounts pipeline stages > 0 (see zoo.parallel.grad_norm).
         def clip_fp32_gradients():
-            engine._global_grad_norm = clip_grad_norm_(engine.module.parameters(), tr.grad_clip, grid)
+            ds_compat.set_global_grad_norm(engine, clip_grad_norm_(engine.module.parameters(), tr.grad_clip, grid))
 
-        engine.clip_fp32_gradients = clip_fp32_gradients
+        ds_compat.replace_fp32_clipping(engine, clip_fp32_gradients)
     return engine, loss_fn
 
 
@@ -180,77 +181,18 @@ def start_ema(engine, cfg: RunConfig, grid, resume, log):
     return ema
 
 
-MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
-
-
-def import_muon_with_deferred_compile() -> None:
-    """Import DeepSpeed's Muon module with its ``torch.compile`` calls deferred to the first call of each function.
-
-    DeepSpeed's ZeRO code imports it on every run (its support check, and ZeRO-1/2's gradient copy, whatever the
-    optimizer), and at import its two Newton-Schulz kernels are wrapped by ``torch.compile``, which imports all of
-    TorchInductor: about 2 s of every process's start (a one-step ``launch/train.py`` here: median of 4 runs 9.6 s
-    -> 8.0 s, machine otherwise idle). zoo trains with AdamW and never calls them; if anything ever does, they are compiled then, exactly
-    as before. (Blocking the import instead breaks ZeRO-2, which imports the module unguarded.)"""
-    if MUON_MODULE in sys.modules:
-        return
-    import functools
-    import importlib
-
-    compile_now = torch.compile
-
-    def compile_later(model=None, **kwargs):
-        if model is None:  # @torch.compile(mode=...)
-            return lambda fn: compile_later(fn, **kwargs)
-        compiled = None
-
-        @functools.wraps(model)
-        def first_call_compiles(*args, **kw):
-            nonlocal compiled
-            if compiled is None:
-                compiled = compile_now(model, **kwargs)
-            return compiled(*args, **kw)
-
-        return first_call_compiles
-
-    torch.compile = compile_later
-    try:
-        importlib.import_module(MUON_MODULE)
-    except ImportError:
-        pass
-    finally:
-        torch.compile = compile_now
-
-
 def destroy_engine(engine) -> None:
     """``engine.destroy()``, and drop what keeps a pipeline engine alive after it.
 
     DeepSpeed's output backward hooks hold the engine, and the last stage's ``engine.loss`` holds those hooks
     through its autograd graph, which Python's garbage collector cannot see into; ZeRO-3 keeps the module it ran
     last in a global stack. Either way the engine, its process groups and their threads would live as long as the
-    process, and tests (and sweeps) build many engines in one process.
+    process, and tests (and sweeps) build many engines in one process (``zoo.compat.deepspeed.release_engine``).
     """
-    engine.destroy()
-    for name in ("loss", "total_loss", "outputs"):
-        if hasattr(engine, name):
-            setattr(engine, name, None)
-    if isinstance(getattr(engine, "pipe_buffers", None), dict):
-        engine.pipe_buffers = {key: [] for key in engine.pipe_buffers}
-    if hasattr(engine, "fwd_outputs"):
-        engine.fwd_outputs = []
-    from deepspeed.runtime.zero import parameter_offload
+    from zoo.compat.deepspeed import release_engine
 
-    parameter_offload.FWD_MODULE_STACK.clear()  # ZeRO-3 leaves the last module it ran (and so the engine) here
-    for module in engine.module.modules():  # the engine's hooks: the module is plain again, and holds no engine
-        for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_hooks,
-                      module._backward_pre_hooks):
-            hooks.clear()
-    # A ZeRO-3 engine stays reachable from autograd state after all; let go of its process groups at least.
-    holders = [engine, getattr(engine, "optimizer", None), *engine.module.parameters()]
-    holders += [getattr(holders[1], name, None) for name in ("parameter_offload", "optimizer")]
-    for obj in (h for h in holders if h is not None):
-        for name, value in list(vars(obj).items()):
-            if isinstance(value, dist.ProcessGroup):
-                setattr(obj, name, None)
+    engine.destroy()
+    release_engine(engine)
 
 
 class MetricsWriter:
