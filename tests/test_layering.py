@@ -8,10 +8,11 @@ import ast
 from pathlib import Path
 
 ZOO = Path(__file__).resolve().parents[1] / "zoo"
-ORDER = ["progress", "parallel", "models", "convert", "data", "generate", "training", "finetune", "bench", "plan",
-         "dispatch"]
+ORDER = ["progress", "package", "parallel", "models", "convert", "data", "generate", "training", "finetune", "bench",
+         "plan", "dispatch", "cli"]
 LEVEL = {name: i for i, name in enumerate(ORDER)}
 LEVEL["bench"] = LEVEL["plan"] = LEVEL["finetune"]  # siblings: none imports another
+LEVEL["package"] = LEVEL["progress"]  # siblings: the package's own files (configs) and extras
 
 
 def imported_packages(path: Path) -> list[tuple[int, str]]:

@@ -361,10 +361,11 @@ def verify_unet2d(diffusers_folder: str | os.PathLike, zoo_folder: str | os.Path
                   seed: int = 0) -> float:
     """Max absolute difference between diffusers' UNet2DModel and the zoo model (one process, tp=1, fp32) on one
     random batch of noisy samples and timesteps: ~1e-6 for a faithful conversion."""
-    from diffusers import UNet2DModel
-
     from zoo.models.specs import SpecSequential
     from zoo.models.unet import layer_specs
+    from zoo.package import require
+
+    UNet2DModel = require("diffusers").UNet2DModel  # the diffusion extra
 
     family, meta = io.read_config(zoo_folder)
     if family != DIFFUSION_FAMILY:
