@@ -16,13 +16,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# launch/*.py import this checkout's zoo, ahead of any installed copy
+PYTHONPATH = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
 RUNS = 20
 SMALL = ["--set", "data.source=synthetic", "training.seq_length=32", "training.micro_batch_size=2",
          "training.global_batch_size=2"]
 
 
 def run(cmd) -> tuple[int, str]:
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run(cmd, capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=PYTHONPATH))
     return proc.returncode, (proc.stdout + proc.stderr)[-1500:]
 
 

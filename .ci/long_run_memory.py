@@ -14,6 +14,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# launch/*.py import this checkout's zoo, ahead of any installed copy
+PYTHONPATH = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
 STEPS, WARM, LIMIT = 2000, 200, 0.02
 
 
@@ -24,7 +26,8 @@ def main() -> int:
                "--steps", str(STEPS), "--no-sample", "--out", str(out), "--set", "data.source=synthetic",
                "training.save=false", "training.eval_interval=0", "training.seq_length=32",
                "training.micro_batch_size=2", "training.global_batch_size=2", f"training.log_interval={STEPS}"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        proc = subprocess.run(cmd, capture_output=True, text=True,
+                              env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=PYTHONPATH))
         if proc.returncode != 0:
             print(proc.stdout[-2000:] + proc.stderr[-3000:])
             return 1

@@ -15,17 +15,15 @@ import os
 import sys
 import types
 from functools import partial
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
+from zoo.flags import Parser
+from zoo.package import config_file
+from zoo.training.config import ConfigError, deepspeed_config, load, validate
+from zoo.training.run import config_flag_hints
 
-from zoo.flags import Parser  # noqa: E402
-from zoo.training.config import ConfigError, deepspeed_config, load, validate  # noqa: E402
-from zoo.training.run import config_flag_hints  # noqa: E402
-
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "gpt" / "tiny.yaml"
+CONFIG = config_file("gpt/tiny.yaml")
 
 
 def train_loop(cfg, model_cfg, log=print) -> list[float]:

@@ -8,11 +8,8 @@ It spawns the ranks of each cp itself (no launcher): run it as one plain process
 """
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from zoo.progress import no_bars_in_logs  # noqa: E402
+from zoo.progress import no_bars_in_logs
 
 no_bars_in_logs()  # in a log file no \r-drawn bars: before any library imports tqdm
 

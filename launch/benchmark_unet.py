@@ -6,11 +6,8 @@
 """
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from zoo.progress import no_bars_in_logs  # noqa: E402
+from zoo.progress import no_bars_in_logs
 
 no_bars_in_logs()  # in a log file no \r-drawn bars: before any library imports tqdm
 

@@ -8,15 +8,8 @@ See zoo/convert/cli.py for every option.
 """
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from zoo.progress import no_bars_in_logs  # noqa: E402
-
-no_bars_in_logs()  # in a log file no \r-drawn bars: before any library imports tqdm
-
-from zoo.convert.cli import main  # noqa: E402
+from zoo.cli import convert
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(convert())

@@ -6,15 +6,8 @@ PNG grid of images from a diffusion U-Net (`--ckpt DIR --out grid.png`).
 """
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from zoo.progress import no_bars_in_logs  # noqa: E402
-
-no_bars_in_logs()  # in a log file no \r-drawn bars: before any library imports tqdm
-
-from zoo.dispatch import generate_main as main  # noqa: E402
+from zoo.cli import generate
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(generate())

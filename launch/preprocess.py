@@ -6,15 +6,8 @@
 """
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from zoo.progress import no_bars_in_logs  # noqa: E402
-
-no_bars_in_logs()  # in a log file no \r-drawn bars: before any library imports tqdm
-
-from zoo.data.preprocess import main  # noqa: E402
+from zoo.cli import preprocess
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(preprocess())

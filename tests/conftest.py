@@ -22,8 +22,16 @@ import queue
 import socket
 import time
 import traceback
+from pathlib import Path
 
 import pytest
+
+# Every process a test starts (launch/*.py, torchrun, ``python -c``) imports this checkout's zoo: the checkout goes
+# first on PYTHONPATH, ahead of an installed copy (CI installs zoo into its venv, not editable) and ahead of nothing
+# at all (launch/*.py leave sys.path alone). This process itself imports it from the checkout already (pytest puts
+# the rootdir of the tests package first on sys.path).
+ROOT = Path(__file__).resolve().parents[1]
+os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 THREAD_BOUND = 24  # threads a worker may hold beyond its start-up count between tasks
 RETIRED_THREADS = 48  # threads the retired (ZeRO-3) tasks of a pool may leave in all before the pool is closed

@@ -8,11 +8,12 @@ import ast
 from pathlib import Path
 
 ZOO = Path(__file__).resolve().parents[1] / "zoo"
-ORDER = ["compat", "progress", "flags", "parallel", "models", "convert", "data", "generate", "training", "finetune",
-         "bench", "plan", "dispatch"]
+ORDER = ["compat", "progress", "flags", "package", "parallel", "models", "convert", "data", "generate", "training",
+         "finetune", "bench", "plan", "dispatch", "cli"]
 LEVEL = {name: i for i, name in enumerate(ORDER)}
 LEVEL["bench"] = LEVEL["plan"] = LEVEL["finetune"]  # siblings: none imports another
-LEVEL["flags"] = LEVEL["progress"]  # level 0 too: small modules every layer may use
+# level 0 too: small modules every layer may use (flags: the command lines; package: shipped configs and extras)
+LEVEL["flags"] = LEVEL["package"] = LEVEL["progress"]
 
 
 def imported_packages(path: Path) -> list[tuple[int, str]]:

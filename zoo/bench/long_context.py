@@ -44,9 +44,9 @@ import torch
 
 from zoo.bench.common import cores, write_report
 from zoo.flags import Parser
+from zoo.package import config_file
 
-ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_CONFIG = ROOT / "configs/gpt/tiny-llama.yaml"
+DEFAULT_CONFIG = config_file("gpt/tiny-llama.yaml")
 DEFAULT_SEQ_LENGTHS = (2048, 4096, 8192, 16384, 32768)
 DEFAULT_CP = (1, 2, 4)
 
@@ -63,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                description="Per-rank activation memory and step time of the GPT training step at "
                                             "long sequence lengths and several context-parallel sizes (spawns the "
                                             "ranks itself), and the longest sequence that fits a memory budget.")
+    shown = DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])  # configs/..., in a checkout or installed
     p.add_argument("--config", default=str(DEFAULT_CONFIG),
-                   help=f"run config YAML whose model is measured (default {DEFAULT_CONFIG.relative_to(ROOT)})")
+                   help=f"run config YAML whose model is measured (default {shown})")
     p.add_argument("--seq-lengths", type=int, nargs="+", default=list(DEFAULT_SEQ_LENGTHS), metavar="S",
                    help=f"sequence lengths (default {' '.join(map(str, DEFAULT_SEQ_LENGTHS))})")
     p.add_argument("--cp", type=int, nargs="+", default=list(DEFAULT_CP), metavar="C",

@@ -44,12 +44,13 @@ def parse_args(argv=None):
 
 def build_models(config, device, dtype):
     """(zoo model, diffusers model), both in train mode on ``device`` in ``dtype``."""
-    from diffusers import UNet2DModel
-
     from zoo.convert.unet import zoo_config_to_diffusers
     from zoo.models.gpt import ParallelOptions
     from zoo.models.specs import SpecSequential
     from zoo.models.unet import layer_specs
+    from zoo.package import require
+
+    UNet2DModel = require("diffusers").UNet2DModel  # the diffusion extra
 
     zoo_model = SpecSequential(layer_specs(config, ParallelOptions()))
     kwargs = {k: v for k, v in zoo_config_to_diffusers(config).items() if not k.startswith("_")}

@@ -314,7 +314,9 @@ def zoo_unet_output(zoo, cfg, tp: int, pp: int, inputs) -> torch.Tensor | None:
 
 def diffusers_unet_output(folder, inputs) -> torch.Tensor:
     """diffusers' ``UNet2DModel(sample, timesteps).sample`` in fp32."""
-    from diffusers import UNet2DModel
+    from zoo.package import require
+
+    UNet2DModel = require("diffusers").UNet2DModel  # the diffusion extra
 
     model = UNet2DModel.from_pretrained(folder, torch_dtype=torch.float32, use_safetensors=True).eval()
     with torch.no_grad():

@@ -36,11 +36,12 @@ from pathlib import Path
 
 from zoo.finetune.common import add_finetune_flags, run_config
 from zoo.models.bert import CLASSIFIER_FAMILY as FAMILY, FAMILY as ENCODER_FAMILY
+from zoo.package import config_file
 from zoo.training.config import ConfigError, RunConfig, validate
 from zoo.training.run import RunParser, command, layout_line, process_group, say, start_run, train_and_save
 from zoo.training.train import resume_plan
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs/bert/classify.yaml"
+DEFAULT_CONFIG = config_file("bert/classify.yaml")
 INIT_FAMILIES = (ENCODER_FAMILY, FAMILY)
 # Fields a run may change in the model it initializes from (they do not change the weights' shapes or meaning).
 INIT_OVERRIDABLE = ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout")

@@ -23,12 +23,13 @@ import torch
 from zoo.data.instruct import InstructData, InstructError, load_instruct_data
 from zoo.finetune.common import add_finetune_flags, run_config
 from zoo.models.gpt import FAMILY
+from zoo.package import config_file
 from zoo.training.config import ConfigError, RunConfig, validate
 from zoo.training.run import (RunParser, command, layout_line, loss_change, process_group, say, start_run,
                               train_and_save)
 from zoo.training.train import resume_plan
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs/gpt/finetune.yaml"
+DEFAULT_CONFIG = config_file("gpt/finetune.yaml")
 GENERATION_CONFIG = "generation_config.json"
 
 

@@ -34,7 +34,7 @@ def check_loggers(training) -> None:
                          f"(e.g. --set training.loggers=[tensorboard,wandb])")
     if "wandb" in names and importlib.util.find_spec("wandb") is None:
         raise ValueError("training.loggers names wandb but the wandb package is not installed; pip install wandb "
-                         "(requirements.txt pins it) or drop wandb from training.loggers")
+                         "(or pip install 'zoo[wandb]'; requirements.txt pins it) or drop wandb from training.loggers")
     tags = training.wandb_tags
     if tags is not None and not all(isinstance(t, (str, int, float)) for t in tags):
         raise ValueError(f"training.wandb_tags must be a list of words, got {tags!r}")

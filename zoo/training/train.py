@@ -31,12 +31,13 @@ import torch
 import torch.distributed as dist
 
 from zoo.data.batches import context_parallel_share, micro_batch, to_device
+from zoo.package import config_file
 from zoo.training.config import ConfigError, RunConfig, deepspeed_config, load, validate
 from zoo.training.families import Data, get_family
 from zoo.training.run import (RunParser, command, init_without_tokenizer, layout_line, loss_change, process_group, say,
                               start_run, train_and_save)
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs/gpt/main.yaml"
+DEFAULT_CONFIG = config_file("gpt/main.yaml")
 
 
 def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
