@@ -274,12 +274,12 @@ def config_reference() -> str:
 # What each adapter handles and the layouts its conversion is verified in (tests/convert/). Kept by hand until the
 # registry of HF architectures (zoo/convert/registry.py) carries it; then architecture_rows() reads the registry.
 NOTES = {
-    "GPT2LMHeadModel": ("Conv1D transposes, fused c_attn split, tied head", "tp 1-2, pp 1-2"),
+    "GPT2LMHeadModel": ("Conv1D transposes, fused c_attn split, tied head", "(tp, pp) = (1,1), (2,1), (1,2), (2,2)"),
     "LlamaForCausalLM": ("any number of kv heads (QKV regrouped per kv group), tied or untied, rope_theta, "
-                         "linear/llama3 RoPE scaling", "tp 1-3, pp 1-2"),
+                         "linear/llama3 RoPE scaling", "(tp, pp) = (1,1), (2,1), (1,2), (2,2); tp 3 (9 q / 3 kv heads)"),
     "MistralForCausalLM": ("without a sliding window shorter than the context (exported back as Llama)",
-                           "tp 1-2, pp 1-2"),
-    "Qwen2ForCausalLM": ("q/k/v biases (`qkv_bias`), output and MLP without", "tp 1-2, pp 1-2"),
+                           "round trip and one process"),
+    "Qwen2ForCausalLM": ("q/k/v biases (`qkv_bias`), output and MLP without", "(tp, pp) = (1,1), (2,2)"),
     "MixtralForCausalLM": ("every layer sparse, softmax top-k renormalised; `router_jitter_noise` must be 0",
                            "(tp, pp, ep) = (1,1,1), (2,1,1), (1,2,1), (1,1,2), (2,1,2), (2,1,4) spanning TP"),
     "Qwen2MoeForCausalLM": ("shared expert behind its sigmoid gate, `norm_topk_prob`, q/k/v biases, dense layers by "
@@ -288,12 +288,12 @@ NOTES = {
                             "as Mixtral"),
     "OlmoeForCausalLM": ("q/k RMSNorm over the projection, `norm_topk_prob`; no `clip_qkv`", "as Mixtral"),
     "BertModel": ("no head; sentence-embedding (sentence-transformers) folders import; WordPiece files pass "
-                  "through", "tp 1-2, pp 1-2"),
-    "BertForMaskedLM": ("MLM head tied to the word embeddings", "tp 1-2, pp 1-2"),
-    "BertForPreTraining": ("MLM + NSP heads", "tp 1-2, pp 1-2"),
-    "BertForSequenceClassification": ("family bert-classifier; labels kept in `labels.json`", "tp 1-2, pp 1-2"),
+                  "through", "(tp, pp) = (2,2)"),
+    "BertForMaskedLM": ("MLM head tied to the word embeddings", "(tp, pp) = (1,1), (2,1), (1,2), (2,2)"),
+    "BertForPreTraining": ("MLM + NSP heads", "(tp, pp) = (2,2)"),
+    "BertForSequenceClassification": ("family bert-classifier; labels kept in `labels.json`", "(tp, pp) = (1,1), (2,1), (1,2), (2,2)"),
     "UNet2DModel": ("diffusers; also a pipeline's `unet/` folder and its `scheduler/` (DDPM or flow matching)",
-                    "any tp x pp"),
+                    "tp 1, 2"),
 }
 
 
