@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import re
 import shlex
@@ -37,6 +38,8 @@ def load_generator():
 
 
 GENERATE = load_generator()
+# A parser is built once per command and family (building imports the command's modules); parsing does not change it.
+command_parser = functools.lru_cache(maxsize=None)(GENERATE.command_parser)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -145,7 +148,7 @@ def test_quickstart_is_the_first_code_block():
 @pytest.mark.parametrize("where,line,script,argv", COMMANDS, ids=[f"{c[0]}:{c[2]}:{i}" for i, c in enumerate(COMMANDS)])
 def test_doc_command_parses(where, line, script, argv):
     assert script.startswith("-m ") or (ROOT / script).is_file(), f"{where}: {script} does not exist: {line}"
-    parser = GENERATE.command_parser(script, implied_family(script, argv))
+    parser = command_parser(script, implied_family(script, argv))
     flags = option_strings(parser, argv)
     unknown = sorted({a.split("=", 1)[0] for a in argv if a.startswith("-") and not re.match(r"^-\d", a)} - flags)
     assert not unknown, f"{where}: {script} has no flag {unknown}: {line}"
