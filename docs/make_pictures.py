@@ -28,9 +28,10 @@ MAX_BYTES = 200_000
 LAYOUT = {"tp": 2, "cp": 2, "dp": 2, "pp": 2}
 # The short runs (steps), each a fraction of its config's default, so the script stays cheap on a busy CPU.
 LOSS_RUN = ["--config", "configs/gpt/tiny.yaml", "--no-sample", "--steps", "150"]
-SEGMENTATION_RUN = ["--config", "configs/unet/segmentation.yaml", "--steps", "100"]
-DIFFUSION_RUN = ["--config", "configs/unet/diffusion-flow.yaml", "--steps", "200",
-                 "--set", "training.eval_interval=0", "training.save_interval=0", "training.ema_decay=0.95"]
+SEGMENTATION_RUN = ["--config", "configs/unet/segmentation.yaml", "--steps", "40"]
+DIFFUSION_RUN = ["--config", "configs/unet/diffusion-flow.yaml", "--steps", "40",
+                 "--set", "training.eval_interval=0", "training.save_interval=0", "training.ema_decay=0.9",
+                 "training.micro_batch_size=8", "training.global_batch_size=8"]
 
 
 def rank_coordinates(tp: int, cp: int, dp: int, pp: int) -> dict[int, dict[str, int]]:
