@@ -32,6 +32,7 @@ class Registry:
     def __init__(self, what: str, modules: tuple[str, ...], attr: str):
         self.what, self.modules, self.attr = what, tuple(modules), attr
         self._table: dict[str, Any] | None = None
+        self._owner: dict[str, str] = {}
 
     def _load(self) -> dict[str, Any]:
         if self._table is None:
@@ -42,7 +43,7 @@ class Registry:
                     if key in table:
                         raise RuntimeError(f"{self.what} {key!r} is registered twice: in {owner[key]} and {name}")
                     table[key], owner[key] = entry, name
-            self._table = table
+            self._table, self._owner = table, owner
         return self._table
 
     def __getitem__(self, key: str):
@@ -59,6 +60,11 @@ class Registry:
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._load())
+
+    def module_of(self, key: str) -> str:
+        """The module that registered ``key`` (e.g. ``"zoo.convert.hf.llama"``)."""
+        self[key]
+        return self._owner[key]
 
     def names(self) -> list[str]:
         return sorted(self._load())
