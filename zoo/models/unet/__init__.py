@@ -32,10 +32,10 @@ its input channels first. Between pipeline stages the tuple travels packed as on
 header (:class:`UNetPipelineModule`, built by :func:`build_unet_pipeline`; stages balanced by FLOPs with
 :func:`pipeline_parts`): build U-Net pipelines with it, not with ``zoo.models.specs.build_pipeline``.
 
-Also in this package: the two training objectives of the diffusion U-Net, each with its training batch and sampler and the
-diffusers scheduler config that records it beside an exported model (:func:`schedule_from_config`): DDPM (linear
-betas over 1000 steps, noise prediction, the ancestral sampler) and flow matching (straight paths from data to
-noise, velocity prediction, Euler steps); the losses (pixel cross-entropy, the MSE of either target) and
+Also in this package: the two training objectives of the diffusion U-Net, each with its training batch and sampler
+and the diffusers scheduler config that records it beside an exported model (:func:`schedule_from_config`): DDPM
+(linear betas over 1000 steps, noise prediction, the ancestral sampler) and flow matching (straight paths from data
+to noise, velocity prediction, Euler steps); the losses (pixel cross-entropy, the MSE of either target) and
 segmentation metrics.
 
 Notation: b batch, C channels (``_local``: this TP rank's share), H W spatial size, T time-embedding width,
