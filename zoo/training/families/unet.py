@@ -1,4 +1,4 @@
-"""The U-Net families in the training run (zoo/models/unet.py): per-pixel segmentation and DDPM noise prediction.
+"""The U-Net families in the training run (zoo/models/unet/): per-pixel segmentation and DDPM noise prediction.
 
 ``unet-segmentation``: a sample is ``(image [C, H, W] in [-1, 1], mask [H, W] int64)``; the loss is the pixel cross
 entropy, and the loss object also counts, per class, the pixels of prediction and mask and of their intersection
