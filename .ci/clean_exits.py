@@ -1,4 +1,4 @@
-"""Every entry point that succeeded exits 0, every time (issue "Reliability", clean exits): launch/convert.py verify,
+"""Every entry point that succeeded exits 0, every time: launch/convert.py verify,
 launch/generate.py and a 2-step launch/train.py, 20 plain-process runs each, two at a time. Seen before the fix:
 about 1 run in 15 printed its result and then aborted with "terminate called without an active exception" (gloo
 threads alive at interpreter exit; tests/parallel/test_topology.py probes the cause).

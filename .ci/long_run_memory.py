@@ -1,5 +1,5 @@
 """A long run stays flat: 2,000 steps of the tiny GPT in one process; resident memory after step 200 (warm-up done)
-must not grow by 2% or more (issue "Reliability": no leak from metrics, caches, data loaders or TensorBoard).
+must not grow by 2% or more (no leak from metrics, caches, data loaders or TensorBoard).
 
 Run by .ci/run after the test suite (it takes about a minute, too long for the suite's budget):
     python .ci/long_run_memory.py

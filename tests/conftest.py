@@ -1,6 +1,6 @@
 """Shared fixtures: a pool of long-lived gloo worker processes per world size.
 
-Starting processes and a gloo world costs seconds (PLATFORM.md), so each world size gets one pool for the whole
+Starting processes and a gloo world costs seconds (2-3 s for 2 ranks, 5-6 s for 4 on 2 CPU cores), so each world size gets one pool for the whole
 session. A test hands the pool a module-level function; every rank runs it and the results come back as a list
 indexed by rank. A failure on any rank fails the test with that rank's traceback and retires the pool (its
 collectives may be out of step); the next test gets a fresh one.

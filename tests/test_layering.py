@@ -1,4 +1,4 @@
-"""The layers of the code: data flows down, nothing imports upward (DESIGN.md, README "Layout").
+"""The layers of the code: data flows down, nothing imports upward (docs/architecture.md, "Layout").
 
 Every ``import zoo.X`` / ``from zoo.X import`` in every module of ``zoo/`` (also inside functions) is read from the
 source, and a package may only import from packages at its own level or below.

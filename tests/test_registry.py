@@ -1,5 +1,5 @@
 """One place per model: every family of ``zoo.models.registry`` is complete in every layer's table, and no file outside
-a family's own names it by a bare string (DESIGN.md, "One place per model (the registry)").
+a family's own names it by a bare string (docs/adding-a-model.md).
 
 The tables are the layers' own (each filled by its modules); the name check reads the source with ``ast``, so
 comments and docstrings may name families freely.

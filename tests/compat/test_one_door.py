@@ -1,5 +1,5 @@
-"""Private names of DeepSpeed, torch and accelerate are used only in ``zoo/compat/`` (DESIGN.md, "Dependencies'
-internals"): any other module of ``zoo/`` reaching one fails here, naming the line.
+"""Private names of DeepSpeed, torch and accelerate are used only in ``zoo/compat/`` (docs/architecture.md,
+"Dependencies' internals"): any other module of ``zoo/`` reaching one fails here, naming the line.
 
 Read from the source with ``ast``: an attribute or import whose name starts with ``_`` (dunders aside) on a name
 bound to one of those libraries (``torch._dynamo``, ``from deepspeed.x import _y``, ``engine._global_grad_norm``),

