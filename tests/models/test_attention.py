@@ -67,14 +67,19 @@ CASES = [  # (window, softcap, scale, nq/nkv, block_size)
 
 @pytest.mark.parametrize("window,softcap,scale,heads,block", CASES)
 def test_blocked_equals_dense_forward_and_backward(window, softcap, scale, heads, block):
+    """Both forms of the blocked path: the scores written out (with the log-sum-exp) and, without a cap, SDPA per
+    block with the block's mask."""
     q, k, v = qkv(nq=heads[0], nkv=heads[1], s=S)
     kw = {"window": window, "softcap": softcap, "scale": scale}
-    out, lse = blocked_attention(q, k, v, block_size=block, return_lse=True, **kw)
     ref, ref_lse = dense_reference(q, k, v, **kw)
-    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    ref_grads = grads(ref, (q, k, v))
+    out, lse = blocked_attention(q, k, v, block_size=block, return_lse=True, fused=False, **kw)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
-    for ours, theirs in zip(grads(out, (q, k, v)), grads(ref, (q, k, v))):
-        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)
+    forms = [out] + ([blocked_attention(q, k, v, block_size=block, fused=True, **kw)] if softcap is None else [])
+    for out in forms:
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+        for ours, theirs in zip(grads(out, (q, k, v)), ref_grads):
+            torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)
 
 
 def test_window_and_cap_change_the_result():
@@ -92,17 +97,19 @@ def test_offset_queries_and_an_explicit_mask_as_generation_uses_them(window):
     q, k, v = qkv(s=s, t=past + s)
     pad = torch.ones(2, 1, s, past + s, dtype=torch.bool)
     pad[1, :, :, :3] = False  # row 1: three padding keys
-    kw = {"window": window, "softcap": 3.0, "q_offset": past}
-    out = blocked_attention(q, k, v, attn_mask=pad, block_size=2, **kw)
-    for row in range(2):
-        ref = dense_reference(q[row:row + 1], k[row:row + 1], v[row:row + 1], attn_mask=pad[row, 0], **kw)[0]
-        torch.testing.assert_close(out[row:row + 1], ref, rtol=1e-12, atol=1e-12)
+    kw = {"window": window, "q_offset": past}
+    for softcap in (3.0, None):  # written out, and SDPA per block
+        out = blocked_attention(q, k, v, attn_mask=pad, block_size=2, softcap=softcap, **kw)
+        for row in range(2):
+            ref = dense_reference(q[row:row + 1], k[row:row + 1], v[row:row + 1], attn_mask=pad[row, 0],
+                                  softcap=softcap, **kw)[0]
+            torch.testing.assert_close(out[row:row + 1], ref, rtol=1e-12, atol=1e-12)
     one = attention(q[:, :, -1:], k, v, causal=False, q_offset=past + s - 1, window=window)
     torch.testing.assert_close(one, dense_reference(q[:, :, -1:], k, v, q_offset=past + s - 1, window=window)[0])
 
 
 def test_key_range_grows_with_the_window_not_the_sequence():
-    """A query block of 128 with W = 512 scores 639 keys wherever it sits; the causal block sees its prefix."""
+    """A query block of 128 with W = 512 meets 639 keys wherever it sits; the causal block sees its prefix."""
     assert key_range(3968, 4096, 4096, causal=True, window=512) == (3457, 4096)
     assert key_range(0, 128, 4096, causal=True, window=512) == (0, 128)
     assert key_range(3968, 4096, 4096, causal=True, window=None) == (0, 4096)

@@ -18,11 +18,11 @@ Kernels:
   without a window, a soft cap or a log-sum-exp (a window that cannot bind, W >= q_offset + s, counts as none).
 - ``flex``: FlexAttention (``torch.nn.attention.flex_attention``) on CUDA: the window as a block mask (blocks wholly
   outside it are skipped), the soft cap as a score_mod; compiled once, block masks kept per shape.
-- ``blocked``: plain torch, every other case: on CPU (FlexAttention has no CPU backward in torch 2.13, and SDPA with a
-  boolean window mask still pays the full s x t), with dropout, with an explicit mask (generation). Each block of
-  queries is scored against the contiguous range of keys its window and causality allow, so the cost grows with
-  s x (W + block), not s x t; a softmax per query block (stable: it subtracts the row maximum) over that range, and
-  autograd's backward. Also the reference the other two are held to.
+- ``blocked``: every other case: on CPU (FlexAttention has no CPU backward in torch 2.13, and SDPA with a boolean
+  window mask still pays the full s x t), with dropout, with an explicit mask (generation). Each block of queries
+  meets only the contiguous range of keys its window and causality allow, so the cost grows with s x (W + block),
+  not s x t: per block SDPA with the block's mask where it can (no soft cap), else the scores written out in plain
+  torch (a stable softmax per query block over that range, autograd's backward). Both are held to the definition.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 KERNELS = ("sdpa", "flex", "blocked")
-BLOCK_SIZE = 128  # queries per block of the blocked path
+BLOCK_SIZE = 128  # queries per block of the blocked path, at least
 
 
 def binding_window(window: int | None, s: int, q_offset: int = 0) -> int | None:
@@ -126,27 +126,58 @@ def _mask5(attn_mask: torch.Tensor, nkv: int) -> torch.Tensor:
 def blocked_attention(q, k, v, *, causal: bool = True, window: int | None = None, softcap: float | None = None,
                       scale: float | None = None, dropout_p: float = 0.0, q_offset: int = 0,
                       attn_mask: torch.Tensor | None = None, return_lse: bool = False,
-                      block_size: int = BLOCK_SIZE):
-    """:func:`attention` in plain torch, ``block_size`` queries at a time against their in-window keys only.
+                      block_size: int | None = None, fused: bool | None = None):
+    """:func:`attention` a block of queries at a time, each against the keys its window and causality allow.
 
-    Scores and softmax in fp32 at least (bf16 inputs are upcast, the output cast back). Memory: autograd keeps one
-    ``[b, nq, block, keys]`` probability block per query block, s x (W + block) in all.
+    ``block_size`` queries per block (default: the window, at least :data:`BLOCK_SIZE`, so a block scores about 2W
+    keys and there are s/W blocks). Per block, ``fused`` (the default where there is no soft cap and no log-sum-exp
+    to return): SDPA with the block's boolean mask, its fused kernel and its backward on the block's keys only.
+    Otherwise the scores written out (matmul, cap, mask, softmax in fp32 at least; autograd's backward), which the
+    tests hold to the definition alongside the fused form. Memory: one ``[b, nq, block, keys]`` probability block
+    per query block at most, s x (W + block) in all.
     """
     b, nq, s, d = q.shape
     nkv, t = k.shape[1], k.shape[2]
     if nq % nkv:
         raise ValueError(f"{nq} query heads cannot share {nkv} key-value heads equally")
     window = binding_window(window, s, q_offset)
+    fused = softcap is None and not return_lse if fused is None else fused
+    if fused and (softcap is not None or return_lse):
+        raise ValueError("the fused blocks (SDPA) take no soft cap and return no log-sum-exp; use fused=False")
+    bq = block_size or max(BLOCK_SIZE, window or 0)
+    if not fused:
+        return _written_out(q, k, v, causal, window, softcap, scale, dropout_p, q_offset, attn_mask, return_lse, bq)
+    outs = []
+    for i0 in range(0, s, bq):
+        i1 = min(i0 + bq, s)
+        lo, hi = key_range(i0, i1, t, causal=causal, window=window, q_offset=q_offset)
+        ok = _allowed(i0, i1, lo, hi, causal=causal, window=window, q_offset=q_offset, device=q.device)
+        if attn_mask is not None:
+            block = attn_mask[..., i0:i1, lo:hi]
+            ok = block if ok is None else ok & block
+        outs.append(F.scaled_dot_product_attention(q[:, :, i0:i1], k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=ok,
+                                                   dropout_p=dropout_p, scale=scale,
+                                                   enable_gqa=nq != nkv))  # [b, nq, bq, d]
+    return torch.cat(outs, dim=2)
+
+
+def _written_out(q, k, v, causal, window, softcap, scale, dropout_p, q_offset, attn_mask, return_lse, bq):
+    """The blocked path with its scores as plain tensors: what SDPA cannot do (soft cap, log-sum-exp)."""
+    b, nq, s, d = q.shape
+    nkv, t = k.shape[1], k.shape[2]
+    g = nq // nkv
     scale = d ** -0.5 if scale is None else scale
     work = torch.promote_types(q.dtype, torch.float32)
-    q5 = q.to(work).reshape(b, nkv, nq // nkv, s, d)  # query head j = m g + u uses kv head m
-    k5, v5 = k.to(work).unsqueeze(2), v.to(work).unsqueeze(2)  # [b, nkv, 1, t, d]
+    q, k, v = q.to(work), k.to(work), v.to(work)
     mask5 = None if attn_mask is None else _mask5(attn_mask, nkv)
     outs, lses = [], []
-    for i0 in range(0, s, block_size):
-        i1 = min(i0 + block_size, s)
+    for i0 in range(0, s, bq):
+        i1 = min(i0 + bq, s)
         lo, hi = key_range(i0, i1, t, causal=causal, window=window, q_offset=q_offset)
-        scores = torch.matmul(q5[..., i0:i1, :], k5[..., lo:hi, :].transpose(-1, -2)) * scale  # [b, nkv, g, bq, keys]
+        # query head j = m g + u uses kv head m: a kv head's g query heads as one matrix of g * bq rows
+        rows = q[:, :, i0:i1].reshape(b, nkv, g * (i1 - i0), d)
+        scores = torch.matmul(rows, k[:, :, lo:hi].transpose(-1, -2)) * scale  # [b, nkv, g bq, keys]
+        scores = scores.view(b, nkv, g, i1 - i0, hi - lo)
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
         ok = _allowed(i0, i1, lo, hi, causal=causal, window=window, q_offset=q_offset, device=q.device)
@@ -156,15 +187,14 @@ def blocked_attention(q, k, v, *, causal: bool = True, window: int | None = None
         if ok is not None:
             scores = scores.masked_fill(~ok, float("-inf"))
         if return_lse:
-            lses.append(torch.logsumexp(scores, dim=-1))  # [b, nkv, g, bq]
+            lses.append(torch.logsumexp(scores, dim=-1).reshape(b, nq, i1 - i0))
         p = torch.softmax(scores, dim=-1)
         if dropout_p > 0:
             p = F.dropout(p, dropout_p)
-        outs.append(torch.matmul(p, v5[..., lo:hi, :]))  # [b, nkv, g, bq, d]
-    out = torch.cat(outs, dim=3).reshape(b, nq, s, d).to(q.dtype)
-    if return_lse:
-        return out, torch.cat(lses, dim=3).reshape(b, nq, s)
-    return out
+        out = torch.matmul(p.reshape(b, nkv, g * (i1 - i0), hi - lo), v[:, :, lo:hi])  # [b, nkv, g bq, d]
+        outs.append(out.view(b, nq, i1 - i0, d))
+    out = torch.cat(outs, dim=2).to(q.dtype)
+    return (out, torch.cat(lses, dim=2)) if return_lse else out
 
 
 # ---------------------------------------------------------------------------------------------------------------
