@@ -104,15 +104,41 @@ def key_range(i0: int, i1: int, t: int, *, causal: bool, window: int | None, q_o
 def _allowed(i0, i1, lo, hi, *, causal, window, q_offset, device) -> torch.Tensor | None:
     """Boolean ``[i1 - i0, hi - lo]``, True = attend, by causality and window; None where every pair is allowed
     (decided from the positions alone: no look at a tensor, so nothing waits on a device)."""
-    first_q, last_q = q_offset + i0, q_offset + i1 - 1
-    causal_binds = causal and hi - 1 > first_q  # some key lies after some query
-    window_binds = window is not None and lo <= last_q - window  # some key lies before some query's window
+    first = q_offset + i0 - lo  # the first query's position minus the first key's
+    causal_binds = causal and hi - lo - 1 > first  # some key lies after some query
+    window_binds = window is not None and first + (i1 - i0 - 1) >= window  # some key before some query's window
     if not (causal_binds or window_binds):
         return None
-    qpos = torch.arange(first_q, last_q + 1, device=device)[:, None]  # [bq, 1]
-    kpos = torch.arange(lo, hi, device=device)  # [keys]
-    ok = kpos <= qpos if causal_binds else torch.ones(i1 - i0, hi - lo, dtype=torch.bool, device=device)
-    return ok & (kpos > qpos - window) if window_binds else ok
+    return _relative_mask(first, i1 - i0, hi - lo, causal_binds, window if window_binds else None, str(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _relative_mask(first: int, rows: int, keys: int, causal: bool, window: int | None, device: str) -> torch.Tensor:
+    """The mask of a block by its queries' distances to its keys; every block inside the sequence has the same one,
+    so it is built once. Outside inference mode: SDPA and masked_fill keep it for the backward."""
+    with torch.inference_mode(False):
+        diff = first + torch.arange(rows, device=device)[:, None] - torch.arange(keys, device=device)  # [rows, keys]
+        ok = diff >= 0 if causal else torch.ones(rows, keys, dtype=torch.bool, device=device)
+        return ok & (diff < window) if window is not None else ok
+
+
+def _query_blocks(q, k, v, bq, *, causal, window, q_offset):
+    """``(i0, i1, lo, hi, q block, k block, v block)`` per block of bq queries. Keys are split once into blocks of bq
+    and each query block gets the key blocks its range ``key_range`` touches, concatenated: autograd then sums each
+    key block's gradient from the query blocks that used it and joins them once (slicing the whole k and v per
+    block instead would write a full-size gradient per block, s^2 / bq in all)."""
+    s, t = q.shape[2], k.shape[2]
+    q_blocks, k_blocks, v_blocks = q.split(bq, dim=2), k.split(bq, dim=2), v.split(bq, dim=2)
+    for n, q_block in enumerate(q_blocks):
+        i0, i1 = n * bq, min((n + 1) * bq, s)
+        lo, hi = key_range(i0, i1, t, causal=causal, window=window, q_offset=q_offset)
+        first, last = lo // bq, max(lo // bq + 1, -(-hi // bq))
+        yield (i0, i1, first * bq, min(t, last * bq), q_block, _join(k_blocks[first:last]),
+               _join(v_blocks[first:last]))
+
+
+def _join(blocks: tuple) -> torch.Tensor:
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)
 
 
 def _mask5(attn_mask: torch.Tensor, nkv: int) -> torch.Tensor:
@@ -148,16 +174,14 @@ def blocked_attention(q, k, v, *, causal: bool = True, window: int | None = None
     if not fused:
         return _written_out(q, k, v, causal, window, softcap, scale, dropout_p, q_offset, attn_mask, return_lse, bq)
     outs = []
-    for i0 in range(0, s, bq):
-        i1 = min(i0 + bq, s)
-        lo, hi = key_range(i0, i1, t, causal=causal, window=window, q_offset=q_offset)
+    for i0, i1, lo, hi, q_blk, k_blk, v_blk in _query_blocks(q, k, v, bq, causal=causal, window=window,
+                                                             q_offset=q_offset):
         ok = _allowed(i0, i1, lo, hi, causal=causal, window=window, q_offset=q_offset, device=q.device)
         if attn_mask is not None:
             block = attn_mask[..., i0:i1, lo:hi]
             ok = block if ok is None else ok & block
-        outs.append(F.scaled_dot_product_attention(q[:, :, i0:i1], k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=ok,
-                                                   dropout_p=dropout_p, scale=scale,
-                                                   enable_gqa=nq != nkv))  # [b, nq, bq, d]
+        outs.append(F.scaled_dot_product_attention(q_blk, k_blk, v_blk, attn_mask=ok, dropout_p=dropout_p,
+                                                   scale=scale, enable_gqa=nq != nkv))  # [b, nq, bq, d]
     return torch.cat(outs, dim=2)
 
 
@@ -171,12 +195,11 @@ def _written_out(q, k, v, causal, window, softcap, scale, dropout_p, q_offset, a
     q, k, v = q.to(work), k.to(work), v.to(work)
     mask5 = None if attn_mask is None else _mask5(attn_mask, nkv)
     outs, lses = [], []
-    for i0 in range(0, s, bq):
-        i1 = min(i0 + bq, s)
-        lo, hi = key_range(i0, i1, t, causal=causal, window=window, q_offset=q_offset)
+    for i0, i1, lo, hi, q_blk, k_blk, v_blk in _query_blocks(q, k, v, bq, causal=causal, window=window,
+                                                             q_offset=q_offset):
         # query head j = m g + u uses kv head m: a kv head's g query heads as one matrix of g * bq rows
-        rows = q[:, :, i0:i1].reshape(b, nkv, g * (i1 - i0), d)
-        scores = torch.matmul(rows, k[:, :, lo:hi].transpose(-1, -2)) * scale  # [b, nkv, g bq, keys]
+        rows = q_blk.reshape(b, nkv, g * (i1 - i0), d)
+        scores = torch.matmul(rows, k_blk.transpose(-1, -2)) * scale  # [b, nkv, g bq, keys]
         scores = scores.view(b, nkv, g, i1 - i0, hi - lo)
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
@@ -191,7 +214,7 @@ def _written_out(q, k, v, causal, window, softcap, scale, dropout_p, q_offset, a
         p = torch.softmax(scores, dim=-1)
         if dropout_p > 0:
             p = F.dropout(p, dropout_p)
-        out = torch.matmul(p.reshape(b, nkv, g * (i1 - i0), hi - lo), v[:, :, lo:hi])  # [b, nkv, g bq, d]
+        out = torch.matmul(p.reshape(b, nkv, g * (i1 - i0), hi - lo), v_blk)  # [b, nkv, g bq, d]
         outs.append(out.view(b, nq, i1 - i0, d))
     out = torch.cat(outs, dim=2).to(q.dtype)
     return (out, torch.cat(lses, dim=2)) if return_lse else out
