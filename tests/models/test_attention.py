@@ -147,3 +147,17 @@ def test_flex_equals_blocked_on_cuda(window, softcap):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     for ours, theirs in zip(grads(out, (q, k, v)), grads(ref, (q, k, v))):
         torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_dropout_on_the_blocked_path(softcap):
+    """Dropout with a window: SDPA's own per block (no cap), F.dropout on the probabilities (cap); from the caller's
+    generator, so a seed repeats it, and p=0 is the plain result."""
+    q, k, v = qkv(dtype=torch.float32)
+    kw = {"window": 7, "softcap": softcap}
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        runs.append(attention(q, k, v, dropout_p=0.5, **kw))
+    assert torch.equal(runs[0], runs[1]) and torch.isfinite(runs[0]).all()
+    assert (runs[0] - attention(q, k, v, **kw)).abs().max() > 1e-2

@@ -26,7 +26,8 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=176, num_hidden
 
 
 def zoo_twin(hf, **attention) -> tuple[SpecSequential, GPTConfig]:
-    cfg = GPTConfig.from_preset("tiny-llama", **SHAPE, norm_eps=1e-6, rope_theta=hf.config.rope_parameters["rope_theta"],
+    theta = hf.config.rope_parameters["rope_theta"]
+    cfg = GPTConfig.from_preset("tiny-llama", **SHAPE, norm_eps=1e-6, rope_theta=theta,
                                 qkv_bias=isinstance(hf, Qwen2ForCausalLM), tie_word_embeddings=False, **attention)
     model = SpecSequential(layer_specs(cfg)).eval()
     load_from_hf(model, hf, llama_table(cfg), cfg)

@@ -162,8 +162,7 @@ def blocked_attention(q, k, v, *, causal: bool = True, window: int | None = None
     tests hold to the definition alongside the fused form. Memory: one ``[b, nq, block, keys]`` probability block
     per query block at most, s x (W + block) in all.
     """
-    b, nq, s, d = q.shape
-    nkv, t = k.shape[1], k.shape[2]
+    nq, s, nkv = q.shape[1], q.shape[2], k.shape[1]
     if nq % nkv:
         raise ValueError(f"{nq} query heads cannot share {nkv} key-value heads equally")
     window = binding_window(window, s, q_offset)
@@ -187,8 +186,8 @@ def blocked_attention(q, k, v, *, causal: bool = True, window: int | None = None
 
 def _written_out(q, k, v, causal, window, softcap, scale, dropout_p, q_offset, attn_mask, return_lse, bq):
     """The blocked path with its scores as plain tensors: what SDPA cannot do (soft cap, log-sum-exp)."""
-    b, nq, s, d = q.shape
-    nkv, t = k.shape[1], k.shape[2]
+    b, nq, _, d = q.shape
+    nkv = k.shape[1]
     g = nq // nkv
     scale = d ** -0.5 if scale is None else scale
     work = torch.promote_types(q.dtype, torch.float32)
