@@ -29,6 +29,7 @@ with context parallelism, s counts this CP rank's positions (s/cp of the sequenc
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import NamedTuple
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
+from zoo.models.attention import attention
 from zoo.models.moe import GPTMoE
 from zoo.models.config import TransformerConfig, preset_config
 from zoo.parallel.context_parallel import (
@@ -96,6 +98,12 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
     attention_dropout: float = 0.0
     make_vocab_size_divisible_by: int = 128  # Megatron: the padded vocabulary is a multiple of this x tp
     qk_norm: str | None = None  # RMSNorm of q and k before RoPE: "head" (Qwen3, over each head) | "full" (OLMoE)
+    # Attention variants (zoo.models.attention; HF names). A query at i sees keys j with i - W < j <= i on a
+    # "sliding_attention" layer. layer_types None: every layer sliding when sliding_window is set (Mistral), else full.
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None  # per layer: "full_attention" | "sliding_attention" (Gemma 2, Qwen2)
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores = c tanh(scores / c)
+    query_pre_attn_scalar: float | None = None  # Gemma 2: scores scaled by query_pre_attn_scalar^-1/2, not d^-1/2
     # Mixture of experts (zoo.models.moe; HF names). Defaults: a dense model. Which layers: is_moe_layer().
     num_experts: int = 0  # Mixtral: num_local_experts; DeepSeek: n_routed_experts. 0: dense
     num_experts_per_tok: int = 2  # top-k
@@ -152,7 +160,24 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             need(kind in ("linear", "llama3"), f"rope_scaling type must be 'linear' or 'llama3', got {kind!r}")
         need(self.qk_norm in (None, "head", "full"), f"qk_norm must be null, 'head' or 'full', got {self.qk_norm!r}")
+        self._validate_attention(need)
         self._validate_moe(need)
+
+    def _validate_attention(self, need) -> None:
+        w, types = self.sliding_window, self.layer_types
+        need(w is None or (isinstance(w, int) and not isinstance(w, bool) and w >= 1),
+             f"sliding_window must be a positive integer or null, got {w!r}")
+        if types is not None:
+            need(isinstance(types, list) and len(types) == self.num_hidden_layers,
+                 f"layer_types must list one type per layer ({self.num_hidden_layers}), got {types!r}")
+            bad = sorted({t for t in types if t not in LAYER_TYPES})
+            need(not bad, f"layer_types holds unknown type(s) {bad}; known: {list(LAYER_TYPES)}")
+            need(w is not None or "sliding_attention" not in types,
+                 "layer_types has 'sliding_attention' layers but sliding_window is null; set sliding_window")
+        for name in ("attn_logit_softcapping", "query_pre_attn_scalar"):
+            value = getattr(self, name)
+            need(value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0),
+                 f"{name} must be a positive number or null, got {value!r}")
 
     def _validate_moe(self, need) -> None:
         E, k = self.num_experts, self.num_experts_per_tok
@@ -179,6 +204,18 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
              "shared_expert_intermediate_size / shared_expert_gate need num_shared_experts > 0")
         need(self.capacity_factor is None or self.capacity_factor > 0,
              f"capacity_factor must be > 0 or null (dropless), got {self.capacity_factor}")
+
+    def attention_window(self, i: int) -> int | None:
+        """The sliding window of layer i, None for full attention (``layer_types``, else every layer alike)."""
+        if self.sliding_window is None:
+            return None
+        kind = "sliding_attention" if self.layer_types is None else self.layer_types[i]
+        return self.sliding_window if kind == "sliding_attention" else None
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The scores' scale: ``query_pre_attn_scalar^-1/2``, or None (the kernels' 1/sqrt(head_dim))."""
+        return None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5
 
     @property
     def use_qkv_bias(self) -> bool:
@@ -255,6 +292,8 @@ _ADDED_FIELDS = ("qkv_bias", "qk_norm", "num_experts", "num_experts_per_tok", "m
                  "shared_expert_intermediate_size", "shared_expert_gate", "scoring_func", "norm_topk_prob",
                  "routed_scaling_factor", "n_group", "topk_group", "moe_expert_bias", "expert_bias_update_rate",
                  "router_aux_loss_coef", "router_aux_loss_type", "router_z_loss_coef", "capacity_factor")
+_ADDED_FIELDS += ("sliding_window", "layer_types", "attn_logit_softcapping", "query_pre_attn_scalar")
+LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's names
 
 _LLAMA = dict(position_embedding_type="rope", normalization="rmsnorm", activation="swiglu", add_bias=False)
 _TINY_LLAMA = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -501,11 +540,18 @@ class GPTAttention(nn.Module):
 
     Training calls ``forward(x)``. Generation passes a :class:`KVCache`, or attaches one as ``self.kv_cache``
     (the block calls ``attention(x)`` unchanged); the training path only checks that it is None.
+
+    Layer ``layer_idx``'s window (``config.attention_window``), the soft cap and the scale go to the one attention
+    function (:func:`zoo.models.attention.attention`) in every path: one process, Ulysses (per rank, after its
+    all-to-all), ring attention (which skips blocks outside the window) and generation. A sliding-window layer keeps
+    the whole KV cache and masks it by the window (a rolling cache of W positions would save memory; not yet).
     """
 
-    def __init__(self, config: GPTConfig, par: ParallelOptions, output_init):
+    def __init__(self, config: GPTConfig, par: ParallelOptions, output_init, layer_idx: int = 0):
         super().__init__()
         self.config = config
+        self.window = config.attention_window(layer_idx)
+        self.variant = dict(window=self.window, softcap=config.attn_logit_softcapping, scale=config.attention_scale)
         d, nq, nkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
         self.qkv = ColumnParallelLinear(config.hidden_size, (nq + 2 * nkv) * d, bias=config.use_qkv_bias,
                                         init_method=init_method_normal(config.initializer_range),
@@ -556,15 +602,15 @@ class GPTAttention(nn.Module):
         p = self.config.attention_dropout if self.training else 0.0
         with tensor_parallel_rng(p > 0):  # heads are sharded: each rank draws its own heads' masks
             if self.cp == 1:
-                out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
-                                                     enable_gqa=self.q_per_group > 1)  # [b, nq_local, s, d]
+                out = attention(q, k, v, dropout_p=p, **self.variant)  # [b, nq_local, s, d]
             elif self.par.cp_algorithm == "ulysses":
-                out = ulysses_attention(q, k, v, self.par.cp_group, dropout_p=p)  # [b, nq_local, s, d]
+                attend = functools.partial(attention, dropout_p=p, **self.variant)
+                out = ulysses_attention(q, k, v, self.par.cp_group, attend=attend)  # [b, nq_local, s, d]
             elif p > 0:
                 raise ValueError("ring attention has no attention dropout; set attention_dropout=0 or use "
                                  "cp_algorithm='ulysses'")
             else:
-                out = ring_attention(q, k, v, self.par.cp_group)  # [b, nq_local, s, d]
+                out = ring_attention(q, k, v, self.par.cp_group, **self.variant)  # [b, nq_local, s, d]
         out = out.transpose(1, 2).reshape(b, s, -1)  # [b, s, nq_local * d]
         return self.dense(out)
 
@@ -581,9 +627,10 @@ class GPTAttention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         mask = cache.attention_mask(s, q.device)
         k, v = cache.append(k, v)  # [b, nkv_local, past + s, d]
-        # No mask: an empty cache is plain causal attention (square), a single query sees every key.
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and past == 0,
-                                             enable_gqa=self.q_per_group > 1)  # [b, nq_local, s, d]
+        # No mask: an empty cache is plain causal attention (square), a single query sees every key (but those
+        # outside its window: the queries sit at past .. past + s - 1).
+        out = attention(q, k, v, causal=mask is None and past == 0, attn_mask=mask, q_offset=past,
+                        **self.variant)  # [b, nq_local, s, d]
         out = out.transpose(1, 2).reshape(b, s, -1)  # [b, s, nq_local * d]
         return self.dense(out)
 
@@ -718,7 +765,7 @@ class GPTBlock(nn.Module):
         self.config, self.par, self.layer_idx = config, par, layer_idx
         output_init = scaled_init_method_normal(config.initializer_range, config.num_hidden_layers)
         self.input_norm = Norm(config, par)
-        self.attention = GPTAttention(config, par, output_init)
+        self.attention = GPTAttention(config, par, output_init, layer_idx)
         self.post_attention_norm = Norm(config, par)
         if config.is_moe_layer(layer_idx):
             self.mlp = GPTMoE(config, par, output_init)

@@ -1,0 +1,143 @@
+"""The GPT block's attention variants (sliding windows per layer, logit soft-capping, the query scale): their config
+fields, HF transformers' logits and greedy generation with a window shorter than the sequence (Mistral: every layer;
+Qwen2: ``layer_types`` mixing sliding and full layers), and the KV cache against the full forward with window and cap.
+
+The HF models are tiny random ones moved off their init (``test_gpt_vs_transformers.randomize_``), their weights
+copied through the converter's Llama key table (Mistral's and Qwen2's names are Llama's); the window is set on the
+zoo config directly (the converter does not read it yet).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from tests.models.test_gpt_vs_transformers import VOCAB, load_from_hf, max_logit_diff, randomize_, token_ids
+from zoo.convert.hf_gpt import llama_table
+from zoo.models.generate import Generator
+from zoo.models.gpt import GPTConfig, layer_specs
+from zoo.models.specs import SpecSequential
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+WINDOW, SEQ = 7, 40
+SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+
+
+def zoo_twin(hf, **attention) -> tuple[SpecSequential, GPTConfig]:
+    theta = hf.config.rope_parameters["rope_theta"]
+    cfg = GPTConfig.from_preset("tiny-llama", **SHAPE, norm_eps=1e-6, rope_theta=theta,
+                                qkv_bias=isinstance(hf, Qwen2ForCausalLM), tie_word_embeddings=False, **attention)
+    model = SpecSequential(layer_specs(cfg)).eval()
+    load_from_hf(model, hf, llama_table(cfg), cfg)
+    return model, cfg
+
+
+def mistral(window=WINDOW, seed=0):
+    torch.manual_seed(seed)
+    hf = MistralForCausalLM(MistralConfig(**SHAPE, rms_norm_eps=1e-6, tie_word_embeddings=False, sliding_window=window,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0})).eval()
+    randomize_(hf, seed)
+    return hf
+
+
+def qwen2(layer_types, seed=0):
+    torch.manual_seed(seed)
+    hf = Qwen2ForCausalLM(Qwen2Config(**SHAPE, rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=True,
+                                      sliding_window=WINDOW, layer_types=layer_types,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 1e6})).eval()
+    randomize_(hf, seed)
+    assert hf.config.layer_types == layer_types
+    return hf
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_fields_round_trip_and_stay_out_of_plain_configs():
+    cfg = GPTConfig.from_preset("tiny-llama", sliding_window=16, attn_logit_softcapping=50.0,
+                                query_pre_attn_scalar=32.0,
+                                layer_types=["sliding_attention", "full_attention"] * 2)
+    assert GPTConfig.from_dict(cfg.to_dict()) == cfg
+    assert [cfg.attention_window(i) for i in range(4)] == [16, None, 16, None]
+    assert cfg.attention_scale == 32.0 ** -0.5
+    plain = GPTConfig.from_preset("tiny-llama").to_dict()
+    assert not {"sliding_window", "layer_types", "attn_logit_softcapping", "query_pre_attn_scalar"} & set(plain)
+    # Mistral: a window and no layer_types windows every layer
+    assert [GPTConfig.from_preset("tiny", sliding_window=8).attention_window(i) for i in range(4)] == [8] * 4
+
+
+@pytest.mark.parametrize("fields,match", [
+    ({"sliding_window": 0}, "sliding_window must be a positive integer"),
+    ({"sliding_window": 8, "layer_types": ["sliding_attention"]}, "one type per layer \\(4\\)"),
+    ({"sliding_window": 8, "layer_types": ["sliding_attention", "local"] * 2}, "unknown type\\(s\\) \\['local'\\]"),
+    ({"layer_types": ["sliding_attention"] * 4}, "sliding_window is null; set sliding_window"),
+    ({"attn_logit_softcapping": -1.0}, "attn_logit_softcapping must be a positive number"),
+    ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be a positive number"),
+])
+def test_bad_fields_are_one_line(fields, match):
+    with pytest.raises(ValueError, match=match) as err:
+        GPTConfig.from_preset("tiny", **fields)
+    assert "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# HF transformers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_mistral_sliding_window_logits_match():
+    hf = mistral()
+    model, cfg = zoo_twin(hf, sliding_window=WINDOW)
+    ids = token_ids(seq=SEQ)
+    assert max_logit_diff(model, hf, cfg, ids) < 1e-4
+    full, _ = zoo_twin(hf)  # the same weights without the window: far off, so the test has teeth
+    assert max_logit_diff(full, hf, cfg, ids) > 1e-2
+
+
+def test_qwen2_layer_types_logits_match():
+    types = ["full_attention", "sliding_attention"]
+    hf = qwen2(types)
+    model, cfg = zoo_twin(hf, sliding_window=WINDOW, layer_types=types)
+    ids = token_ids(seq=SEQ)
+    assert max_logit_diff(model, hf, cfg, ids) < 1e-4
+    swapped, _ = zoo_twin(hf, sliding_window=WINDOW, layer_types=types[::-1])
+    assert max_logit_diff(swapped, hf, cfg, ids) > 1e-2
+
+
+def test_mistral_greedy_generation_matches_past_the_window():
+    """Prompt 7 + 20 new tokens with a window of 5: the cached path masks the whole cache by the window."""
+    hf = mistral(window=5, seed=1)
+    model, _ = zoo_twin(hf, sliding_window=5)
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(4))
+    eos = hf.generation_config.eos_token_id
+    with torch.no_grad():
+        theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                             eos_token_id=eos, pad_token_id=eos)
+    ours = Generator(model).generate(ids, max_new_tokens=20, eos_token_id=eos, pad_token_id=eos)
+    assert torch.equal(ours.tokens, theirs)
+    assert min(len(set(row.tolist())) for row in ours.new_tokens) > 3  # not a degenerate repetition
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# KV cache
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_cached_steps_equal_full_forward_with_window_cap_and_scale():
+    cfg = GPTConfig.from_preset("tiny-llama", sliding_window=5, layer_types=["sliding_attention", "full_attention"] * 2,
+                                attn_logit_softcapping=3.0, query_pre_attn_scalar=10.0, initializer_range=0.15)
+    torch.manual_seed(0)
+    model = SpecSequential(layer_specs(cfg)).eval()
+    gen = Generator(model)
+    seq = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(seq)[..., : cfg.vocab_size]
+    caches = gen.new_caches(2, seq.shape[1])
+    with torch.inference_mode():
+        for start, stop in [(0, 6), (6, 10)] + [(t, t + 1) for t in range(10, seq.shape[1])]:
+            got = gen.logits(seq[:, start:stop], caches)
+            assert (got - full[:, stop - 1]).abs().max() < 1e-5, (start, stop)
