@@ -229,7 +229,8 @@ def _field_rows(cls, prefix: str, skip=(), meanings=None) -> list[str]:
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
-        rows.append(f"| `{prefix}{f.name}` | `{_cell(f.type)}` | {_cell(_default(f))} | {_cell(notes.get(f.name) or meanings.get(prefix + f.name, ''))} |")
+        rows.append(f"| `{prefix}{f.name}` | `{_cell(f.type)}` | {_cell(_default(f))} | "
+                    f"{_cell(notes.get(f.name) or meanings.get(prefix + f.name, ''))} |")
     return rows
 
 
@@ -279,7 +280,8 @@ def config_reference() -> str:
 NOTES = {
     "GPT2LMHeadModel": ("Conv1D transposes, fused c_attn split, tied head", "(tp, pp) = (1,1), (2,1), (1,2), (2,2)"),
     "LlamaForCausalLM": ("any number of kv heads (QKV regrouped per kv group), tied or untied, rope_theta, "
-                         "linear/llama3 RoPE scaling", "(tp, pp) = (1,1), (2,1), (1,2), (2,2); tp 3 (9 q / 3 kv heads)"),
+                         "linear/llama3 RoPE scaling",
+                         "(tp, pp) = (1,1), (2,1), (1,2), (2,2); tp 3 (9 q / 3 kv heads)"),
     "MistralForCausalLM": ("without a sliding window shorter than the context (exported back as Llama)",
                            "round trip and one process"),
     "Qwen2ForCausalLM": ("q/k/v biases (`qkv_bias`), output and MLP without", "(tp, pp) = (1,1), (2,2)"),
@@ -294,7 +296,8 @@ NOTES = {
                   "through", "(tp, pp) = (2,2)"),
     "BertForMaskedLM": ("MLM head tied to the word embeddings", "(tp, pp) = (1,1), (2,1), (1,2), (2,2)"),
     "BertForPreTraining": ("MLM + NSP heads", "(tp, pp) = (2,2)"),
-    "BertForSequenceClassification": ("family bert-classifier; labels kept in `labels.json`", "(tp, pp) = (1,1), (2,1), (1,2), (2,2)"),
+    "BertForSequenceClassification": ("family bert-classifier; labels kept in `labels.json`",
+                                      "(tp, pp) = (1,1), (2,1), (1,2), (2,2)"),
     "UNet2DModel": ("diffusers; also a pipeline's `unet/` folder and its `scheduler/` (DDPM or flow matching)",
                     "tp 1, 2"),
 }

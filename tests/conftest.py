@@ -1,9 +1,9 @@
 """Shared fixtures: a pool of long-lived gloo worker processes per world size.
 
-Starting processes and a gloo world costs seconds (2-3 s for 2 ranks, 5-6 s for 4 on 2 CPU cores), so each world size gets one pool for the whole
-session. A test hands the pool a module-level function; every rank runs it and the results come back as a list
-indexed by rank. A failure on any rank fails the test with that rank's traceback and retires the pool (its
-collectives may be out of step); the next test gets a fresh one.
+Starting processes and a gloo world costs seconds (2-3 s for 2 ranks, 5-6 s for 4 on 2 CPU cores), so each world size
+gets one pool for the whole session. A test hands the pool a module-level function; every rank runs it and the results
+come back as a list indexed by rank. A failure on any rank fails the test with that rank's traceback and retires the
+pool (its collectives may be out of step); the next test gets a fresh one.
 
 A task may also run a command's ``main`` as its launcher would (``tests.mains.run_main``): the world group it
 destroys on the way out is made again, on a fresh port, before the next task.
@@ -106,8 +106,8 @@ class DistPool:
                 rank, ok, value, self.threads[rank] = self.results.get(timeout=timeout)
             except queue.Empty:
                 self.close()
-                raise TimeoutError(f"{self.world_size}-rank pool: no result from every rank within {timeout}s ({what}); "
-                                   f"errors so far: {errors}") from None
+                raise TimeoutError(f"{self.world_size}-rank pool: no result from every rank within {timeout}s "
+                                   f"({what}); errors so far: {errors}") from None
             if ok:
                 out[rank] = value
             else:
@@ -121,9 +121,9 @@ class DistPool:
                      enumerate(zip(self.threads, self.start_threads)) if n > s + THREAD_BOUND]
             if leaks:
                 self.close()
-                raise AssertionError(f"{self.world_size}-rank pool: {what} left threads behind after its process groups "
-                                     f"were destroyed: {'; '.join(leaks)}; bound +{THREAD_BOUND}. Stop what starts "
-                                     f"them (or destroy the groups it makes) at the end of the task.")
+                raise AssertionError(f"{self.world_size}-rank pool: {what} left threads behind after its process "
+                                     f"groups were destroyed: {'; '.join(leaks)}; bound +{THREAD_BOUND}. Stop what "
+                                     f"starts them (or destroy the groups it makes) at the end of the task.")
         return out
 
     @property

@@ -95,9 +95,10 @@ def test_train_names_every_megatron_flag_at_once(monkeypatch):
     code, _, err = run("zoo.training.train:main", ["--steps", "3", "--lr", "1e-2", "--micro-batch-size", "4",
                                                   "--seq-length", "64", "--train-iters", "50"])
     assert code == 2
-    assert err.strip() == ("error: launch/train.py: unknown flags --lr (use --set training.lr=1e-2), --micro-batch-size "
-                           "(use --set training.micro_batch_size=4), --seq-length (use --set training.seq_length=64), "
-                           "--train-iters (use --steps 50); see launch/train.py --help")
+    assert err.strip() == ("error: launch/train.py: unknown flags --lr (use --set training.lr=1e-2), "
+                           "--micro-batch-size (use --set training.micro_batch_size=4), --seq-length "
+                           "(use --set training.seq_length=64), --train-iters (use --steps 50); "
+                           "see launch/train.py --help")
 
 
 def test_a_near_miss_names_the_flag_meant(monkeypatch):
@@ -133,7 +134,8 @@ def test_without_launcher_flags():
 
 def test_refusal_line():
     hints = {"--lr": "--set training.lr={value}", "--bf16": "--set training.precision=bf16"}
-    assert refusal("p", ["--lr=3"], ["--steps"], hints) == "error: p: unknown flag --lr (use --set training.lr=3); see p --help"
+    assert refusal("p", ["--lr=3"], ["--steps"], hints) == ("error: p: unknown flag --lr (use --set training.lr=3); "
+                                                            "see p --help")
     assert refusal("p", ["--lr"], [], hints) == "error: p: unknown flag --lr (use --set training.lr=...); see p --help"
     assert refusal("p", ["--bf16", "--stepss", "3"], ["--steps"], hints) == (
         "error: p: unknown flags --bf16 (use --set training.precision=bf16), --stepss (did you mean --steps?); "

@@ -94,7 +94,8 @@ def test_a_missing_extra_is_one_line_naming_it(monkeypatch, capsys):
     for module, extra in EXTRAS.items():
         assert any(r.split(">=")[0] == module for r in PROJECT["optional-dependencies"][extra]), (module, extra)
     monkeypatch.setitem(sys.modules, "diffusers", None)  # import diffusers now fails as if it were not installed
-    line = "diffusers is not installed: pip install 'zoo[diffusion]' (or pip install -r requirements.txt, which pins it)"
+    line = ("diffusers is not installed: pip install 'zoo[diffusion]' (or pip install -r requirements.txt, "
+            "which pins it)")
     with pytest.raises(MissingExtra) as raised:
         require("diffusers")
     assert str(raised.value) == line

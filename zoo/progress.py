@@ -3,10 +3,10 @@
 On a terminal (the bar's stream is a tty) :func:`progress_bar` is tqdm's bar, and while it is entered (``with
 bar:``) every line Python writes meanwhile (``print``, ``warnings``, the console handlers of ``logging``, DeepSpeed's
 among them) is printed above the bar: the bar is cleared, the line written, the bar drawn again, so neither
-overwrites the other (output of C++ code straight to the file descriptors is out of reach). Anywhere else (a cluster job's log file, a pipe) a bar redrawn with ``\\r`` would pile
-up in the file as one endless line, so none is drawn: a plain line in tqdm's format without the bar (``train:  40%
-120/300 [01:01<01:31,  1.96step/s, loss=3.912]``) is written when nothing was for ``plain_interval`` seconds, and
-once at the end.
+overwrites the other (output of C++ code straight to the file descriptors is out of reach). Anywhere else (a cluster
+job's log file, a pipe) a bar redrawn with ``\\r`` would pile up in the file as one endless line, so none is drawn: a
+plain line in tqdm's format without the bar (``train:  40% 120/300 [01:01<01:31,  1.96step/s, loss=3.912]``) is written
+when nothing was for ``plain_interval`` seconds, and once at the end.
 
 The libraries zoo runs draw bars of their own (transformers' "Loading weights", DeepSpeed's universal-checkpoint
 conversion, the Hub's downloads); :func:`no_bars_in_logs`, which every ``launch/`` script calls first, turns those

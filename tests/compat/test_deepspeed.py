@@ -268,7 +268,8 @@ def test_clear_group_caches():
                for target in node.targets if isinstance(target, ast.Name)}
     for name in ds_compat.group_cache_names():
         value = initial.get(name)
-        fresh = isinstance(value, ast.Constant) and value.value is None or isinstance(value, ast.Dict) and not value.keys
+        fresh = (isinstance(value, ast.Constant) and value.value is None
+                 or isinstance(value, ast.Dict) and not value.keys)
         expect(fresh, LIB, piece, f"deepspeed.utils.groups.{name} starts as {ast.unparse(value) if value else '?'}, "
                                   f"not None or {{}}: clearing it would not reset it")
     for cache in EXPERT_CACHES + ("_DATA_PARALLEL_GROUP", "_WORLD_GROUP"):

@@ -20,18 +20,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from zoo.convert import io
-from zoo.convert.cli import main
 from zoo.convert.bert import (
     HEAD_OF,
     IGNORED,
     ConvertError,
     bert_config_from_hf,
+    check_bert_hf,
     hf_rows,
     hf_to_zoo_bert,
     zoo_bert_config,
     zoo_to_hf_bert,
 )
-from zoo.convert.bert import check_bert_hf
+from zoo.convert.cli import main
 from zoo.convert.gpt import check_hf
 
 VOCAB = 300  # > the tokenizer's entries; not a multiple of 128, so zoo pads it at load

@@ -200,7 +200,8 @@ def test_sharded_writer_copies_by_hand_where_the_kernel_cannot(tmp_path, monkeyp
 
 
 def build_moe(ep, seed=7):
-    """tiny-moe (with the balancing bias) at dp = ep = world size, tp = pp = 1: (module, grid-like, config, ep group)."""
+    """tiny-moe (with the balancing bias) at dp = ep = world size, tp = pp = 1: (module, grid-like, config, ep
+    group)."""
     from types import SimpleNamespace
 
     import torch.distributed as dist

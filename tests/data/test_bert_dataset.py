@@ -119,7 +119,7 @@ def test_pairs_layout_labels_and_nsp(tmp_path):
         a, b = ids[1:seps[0]].tolist(), ids[seps[0] + 1:seps[1]].tolist()
         assert a and b
         assert (types[:seps[0] + 1] == 0).all() and (types[seps[0] + 1:length] == 1).all()
-        (da, sa), (db, sb) = doc_and_sentence(a[0]), doc_and_sentence(b[0])
+        (da, _sa), (db, sb) = doc_and_sentence(a[0]), doc_and_sentence(b[0])
         assert all(doc_and_sentence(t)[0] == da for t in a)
         if pair["label"] == 0:  # B continues A: same document, from the sentence after A's last
             assert db == da and b[0] == docs[db][sb][0] and sb > doc_and_sentence(a[-1])[1]

@@ -19,11 +19,20 @@ import numpy as np
 import pytest
 import torch
 
-from zoo.data.corpus import embedded_documents, split_documents
-from zoo.data.gpt_dataset import (BlendedDataset, PackedDataset, _candidate_counts, _sequences_of, build_gpt_datasets,
-                                  counts_before, parse_blend, prepare_embedded_corpus, split_document_ids)
-from zoo.data.indexed import IndexedDataset, IndexedDatasetBuilder
 from zoo.data.batches import micro_batch
+from zoo.data.corpus import embedded_documents, split_documents
+from zoo.data.gpt_dataset import (
+    BlendedDataset,
+    PackedDataset,
+    _candidate_counts,
+    _sequences_of,
+    build_gpt_datasets,
+    counts_before,
+    parse_blend,
+    prepare_embedded_corpus,
+    split_document_ids,
+)
+from zoo.data.indexed import IndexedDataset, IndexedDatasetBuilder
 
 
 def _write(prefix, docs):

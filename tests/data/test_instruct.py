@@ -9,8 +9,15 @@ import json
 import pytest
 import torch
 
-from zoo.data.instruct import (IGNORE_INDEX, Example, InstructError, encode_example, load_instruct_data,
-                               read_examples, to_sample)
+from zoo.data.instruct import (
+    IGNORE_INDEX,
+    Example,
+    InstructError,
+    encode_example,
+    load_instruct_data,
+    read_examples,
+    to_sample,
+)
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")

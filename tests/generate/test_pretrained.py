@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from zoo.convert.io import CheckpointError, iter_tensors, load_model as load_into, write_model_folder
+from zoo.convert.io import CheckpointError, iter_tensors, write_model_folder
+from zoo.convert.io import load_model as load_into
 from zoo.models.gpt import GPTConfig, GPTLoss, ParallelOptions, layer_specs
 from zoo.models.specs import SpecSequential
 
@@ -158,7 +159,8 @@ def test_bert(tmp_path, head):
     from zoo import load_model
     from zoo.convert.bert import LABELS_FILE, family_of, zoo_config_dict
     from zoo.generate.bert import PretrainedBert
-    from zoo.models.bert import BertConfig, layer_specs as bert_specs
+    from zoo.models.bert import BertConfig
+    from zoo.models.bert import layer_specs as bert_specs
 
     cfg = BertConfig.from_preset("tiny", vocab_size=300, num_hidden_layers=2, num_labels=3)
     built = SpecSequential(bert_specs(cfg, ParallelOptions(), head=head))
@@ -203,7 +205,8 @@ def test_refusals(tmp_path):
     from zoo import load_model
 
     (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "gpt2",
+                                                             "architectures": ["GPT2LMHeadModel"]}))
     (tmp_path / "empty").mkdir()
     for folder, match in ((tmp_path / "hf", "launch/convert.py hf-to-zoo"), (tmp_path / "empty", "neither a zoo model"),
                           (tmp_path / "nope", "does not exist")):

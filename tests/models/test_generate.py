@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from tests.models.test_gpt_vs_transformers import ROPE_SCALINGS, VOCAB, gpt2_pair, llama_pair, load_from_hf
-from zoo.models import gpt as gpt_module
 from zoo.generate.gpt import main
+from zoo.models import gpt as gpt_module
 from zoo.models.generate import Generator, SamplingOptions, sample_next
 from zoo.models.gpt import GPTConfig, ParallelOptions, layer_specs, rope_inv_freq, rope_table
 from zoo.models.specs import SpecSequential
@@ -218,8 +218,8 @@ SAMPLED = dict(greedy=False, temperature=1.0, top_k=50, top_p=0.9, seed=11)
 
 def generate_from_folder(folder, tp, ids, max_new_tokens):
     """Load the folder at (tp, pp=1) in this process; greedy and sampled tokens."""
-    from zoo.convert.io import load_model, read_config
     from tests.parallel.helpers import grid_for
+    from zoo.convert.io import load_model, read_config
 
     grid = grid_for(tp)
     cfg = GPTConfig.from_dict(read_config(folder)[1])

@@ -7,8 +7,9 @@ backward test, the loss and the word-embedding gradient). One plain process, tp=
 tensor-parallel layers fall back to their single-rank path.
 
 The key tables are the converters' own (``zoo.convert.hf.gpt2``, ``zoo.convert.hf.llama``): ``Row(zoo key, HF keys,
-HF shapes, to_zoo, to_hf)``. In a per-block row ``{}`` is the block index, ``i + 1`` on zoo's side (layer 0 is the embedding) and
-``i`` on HF's side. Here they fill a model in memory; tests/convert/test_hf_gpt.py runs them through files.
+HF shapes, to_zoo, to_hf)``. In a per-block row ``{}`` is the block index, ``i + 1`` on zoo's side (layer 0 is the
+embedding) and ``i`` on HF's side. Here they fill a model in memory; tests/convert/test_hf_gpt.py runs them through
+files.
 """
 
 from __future__ import annotations

@@ -12,8 +12,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig, \
-    Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    MixtralConfig,
+    MixtralForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from tests.parallel.helpers import assert_close, gen
 from zoo.models.generate import Generator
@@ -132,7 +140,7 @@ class Reference(nn.Module):
                     shared = torch.sigmoid(self.shared_gate(xs[t])) * shared
                 outs[t] = outs[t] + shared
         counts = torch.zeros(E)
-        for t, e, _ in assignments:
+        for _t, e, _ in assignments:
             counts[e] += 1
 
         def balance(tokens):  # E * sum_e f_e P_e over these tokens

@@ -13,8 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.test_gpt_vs_transformers import LOGITS_ATOL, VOCAB, load_from_hf, max_logit_diff, randomize_, \
-    token_ids
+from tests.models.test_gpt_vs_transformers import (
+    LOGITS_ATOL,
+    VOCAB,
+    load_from_hf,
+    max_logit_diff,
+    randomize_,
+    token_ids,
+)
 from tests.models.test_moe import hf_mixtral, hf_olmoe, hf_qwen2_moe, hf_qwen3_moe
 from zoo.convert.hf.moe import FUSED, moe_table
 from zoo.models.gpt import GPTConfig, layer_specs

@@ -31,22 +31,27 @@ def primitives_case(tp):
 
     # f: identity forward, all-reduce backward
     y, dx = run(M.copy_to_tensor_model_parallel_region, xs[rank], gs[rank])
-    assert_close(y, xs[rank], "copy fwd"); assert_close(dx, g_total, "copy bwd")
+    assert_close(y, xs[rank], "copy fwd")
+    assert_close(dx, g_total, "copy bwd")
     # g: all-reduce forward, identity backward
     y, dx = run(M.reduce_from_tensor_model_parallel_region, xs[rank], gs[rank])
-    assert_close(y, x_total, "reduce fwd"); assert_close(dx, gs[rank], "reduce bwd")
+    assert_close(y, x_total, "reduce fwd")
+    assert_close(dx, gs[rank], "reduce bwd")
     # scatter (last dim): own chunk forward, all-gather backward
     gh = [_rank_tensor(r, (B, S, H // world), 3) for r in ranks]
     y, dx = run(M.scatter_to_tensor_model_parallel_region, xs[0], gh[rank])
-    assert_close(y, chunk(xs[0], -1, rank, world), "scatter fwd"); assert_close(dx, torch.cat(gh, -1), "scatter bwd")
+    assert_close(y, chunk(xs[0], -1, rank, world), "scatter fwd")
+    assert_close(dx, torch.cat(gh, -1), "scatter bwd")
     # gather (last dim): all-gather forward, own chunk backward
     y, dx = run(M.gather_from_tensor_model_parallel_region, xs[rank], gs[rank].repeat(1, 1, world))
-    assert_close(y, torch.cat(xs, -1), "gather fwd"); assert_close(dx, gs[rank], "gather bwd")
+    assert_close(y, torch.cat(xs, -1), "gather fwd")
+    assert_close(dx, gs[rank], "gather bwd")
 
     # sequence parallel (dim 1)
     gs_seq = [_rank_tensor(r, (B, S // world, H), 4) for r in ranks]
     y, dx = run(M.scatter_to_sequence_parallel_region, xs[0], gs_seq[rank])
-    assert_close(y, chunk(xs[0], 1, rank, world), "sp scatter fwd"); assert_close(dx, torch.cat(gs_seq, 1), "sp scatter bwd")
+    assert_close(y, chunk(xs[0], 1, rank, world), "sp scatter fwd")
+    assert_close(dx, torch.cat(gs_seq, 1), "sp scatter bwd")
     y, dx = run(M.reduce_scatter_to_sequence_parallel_region, xs[rank], gs_seq[rank])
     assert_close(y, chunk(x_total, 1, rank, world), "sp reduce-scatter fwd")
     assert_close(dx, torch.cat(gs_seq, 1), "sp reduce-scatter bwd")

@@ -4,8 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.parallel.helpers import grid_for
-from zoo.parallel.random import (checkpoint, configure_activation_checkpointing, model_parallel_seed,
-                                 tensor_parallel_rng)
+from zoo.parallel.random import checkpoint, configure_activation_checkpointing, model_parallel_seed, tensor_parallel_rng
 
 
 def masks_case(tp, seed):
@@ -23,7 +22,7 @@ def test_masks_differ_across_tp_agree_across_dp_and_repeat(dist_run):
     again = dist_run(4, masks_case, 2, 7)
     other_seed = dist_run(4, masks_case, 2, 8)
     by_tp = {}
-    for (tp_rank, dp_rank, tp_mask, default_mask), (_, _, tp_again, def_again), (_, _, tp_other, _) in zip(
+    for (tp_rank, _dp_rank, tp_mask, default_mask), (_, _, tp_again, def_again), (_, _, tp_other, _) in zip(
             first, again, other_seed):
         assert torch.equal(tp_mask, tp_again) and torch.equal(default_mask, def_again), "same seed, same masks"
         assert not torch.equal(tp_mask, tp_other), "another seed, other masks"

@@ -38,7 +38,8 @@ def test_check_layout_with_ep(world, tp, pp, ep, dp):
 
 def test_ep_that_does_not_divide_dp_fails_with_one_line():
     message = (r"^ep 4 does not divide the data-parallel size 2 \(world size 8 / tp\*pp 4\); expert-parallel groups "
-               r"are carved out of the data-parallel ranks: pick ep in \[1, 2\] or launch a multiple of tp\*pp\*ep = 16 "
+               r"are carved out of the data-parallel ranks: pick ep in \[1, 2\] "
+               r"or launch a multiple of tp\*pp\*ep = 16 "
                r"processes, or set parallel.ep_spans_tp: true or --ep-spans-tp \(EP groups over the TP ranks "
                r"too\)$")
     with pytest.raises(LayoutError, match=message) as e:
@@ -217,7 +218,8 @@ def test_expert_groups_spanning_tp(world, tp, pp, cp, ep):
     for g in ep_lists:
         assert len(g) == ep and len({coord[r].pipe for r in g}) == 1 and len({coord[r].data % cp for r in g}) == 1
         for r in g:  # whole TP groups, TP rank fastest: EP rank = place x tp + TP rank
-            assert {s for s in range(world) if (coord[s].pipe, coord[s].data) == (coord[r].pipe, coord[r].data)} <= set(g)
+            assert {s for s in range(world)
+                    if (coord[s].pipe, coord[s].data) == (coord[r].pipe, coord[r].data)} <= set(g)
             assert g.index(r) % tp == coord[r].model
     for g in edp_lists:
         assert len(g) == dp * tp * cp // ep and len({(coord[r].pipe, coord[r].model) for r in g}) == 1

@@ -45,13 +45,20 @@ def test_preset_parameter_counts(preset):
     """Equal to the published count and to transformers' own model of the same config (built on the meta
     device, so no memory is spent); the per-rank counts of every (tp, pp) add up to it."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, \
-        MistralForCausalLM
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+    )
 
     c = GPTConfig.from_preset(preset)
     assert c.num_parameters() == PUBLISHED[preset]
     if preset.startswith("gpt2"):
-        hf = GPT2LMHeadModel, GPT2Config(n_embd=c.hidden_size, n_layer=c.num_hidden_layers, n_head=c.num_attention_heads)
+        hf = GPT2LMHeadModel, GPT2Config(n_embd=c.hidden_size, n_layer=c.num_hidden_layers,
+                                         n_head=c.num_attention_heads)
     else:
         cls, cfg = (MistralForCausalLM, MistralConfig) if preset.startswith("mistral") else (LlamaForCausalLM,
                                                                                              LlamaConfig)
@@ -308,8 +315,8 @@ def test_weight_average_is_priced_and_written(tmp_path):
 def test_every_layout_the_planner_offers_is_one_zoo_runs(tmp_path, preset):
     """Every candidate layout of 8 GPUs (tp, pp, cp, ep, ZeRO, SP, recompute, micro batch, the fused loss), written
     as a run config, passes zoo's own validation for 8 processes: the planner never proposes what zoo refuses."""
-    from zoo.plan.search import candidates
     from zoo.plan.cli import run_config
+    from zoo.plan.search import candidates
     from zoo.training.config import ConfigError, load, validate
 
     job = Job(GPTConfig.from_preset(preset), 8, 128, 16, dtype="fp32", fused_cross_entropy=True)

@@ -142,8 +142,8 @@ def test_roofline_counts_the_fused_loss_gemms(monkeypatch):
 
 
 TINY = ["--hidden-size", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--intermediate-size", "64",
-        "--seq-length", "16", "--batch-size", "2", "--vocab-size", "256", "--steps", "1", "--warmup", "0", "--threads", "1",
-        "--no-compile", "--no-roofline", "--no-memory"]
+        "--seq-length", "16", "--batch-size", "2", "--vocab-size", "256", "--steps", "1", "--warmup", "0",
+        "--threads", "1", "--no-compile", "--no-roofline", "--no-memory"]
 
 
 def _bench_main(argv):

@@ -34,7 +34,8 @@ BAD = [
     (TINY, ["training.batch=4"], 1, r"^unknown key\(s\) \['batch'\] in section 'training'"),
     (TINY, ["model.num_layers=4"], 1, r"^model: GPTConfig: unknown field\(s\) \['num_layers'\]"),
     (TINY, ["model.preset=gpt5"], 1, r"^model: unknown GPT preset 'gpt5'; presets: "),
-    (TINY, ["model.family=rnn"], 1, r"^model: model.family 'rnn' is not known; families: \['bert', 'bert-classifier', 'gpt', "),
+    (TINY, ["model.family=rnn"], 1, r"^model: model.family 'rnn' is not known; families: "
+                                    r"\['bert', 'bert-classifier', 'gpt', "),
     (TINY, ["data.source=web"], 1, r"^data.source 'web' is not available for GPT; supported: \['embedded', "),
     (TINY, ["training.init_from=/nonexistent/model"], 1, r"^training.init_from: "),
     # Mixture of experts and expert parallelism.
@@ -91,7 +92,8 @@ def test_bad_config_gives_one_line(path, overrides, world, message):
 
 
 def test_fp16_where_the_device_refuses_it():
-    with pytest.raises(ConfigError, match=r"^fp16 is not supported on this device \(\w+\); use training.precision: bf16$"):
+    with pytest.raises(ConfigError, match=r"^fp16 is not supported on this device \(\w+\); "
+                                          r"use training.precision: bf16$"):
         _validate(TINY, ["training.precision=fp16"], fp16_supported=False, bf16_supported=True)
 
 

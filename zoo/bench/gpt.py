@@ -41,8 +41,15 @@ import sys
 import torch
 
 from zoo.bench.common import DTYPES, cores, write_report
-from zoo.bench.compare import (DEFAULT_EXPERTS, DEFAULT_EXPERTS_PER_TOKEN, DEFAULT_SIZE, PRESET_BATCH_SIZE,
-                               PRESET_SEQ_LENGTH, STYLES, style_of)
+from zoo.bench.compare import (
+    DEFAULT_EXPERTS,
+    DEFAULT_EXPERTS_PER_TOKEN,
+    DEFAULT_SIZE,
+    PRESET_BATCH_SIZE,
+    PRESET_SEQ_LENGTH,
+    STYLES,
+    style_of,
+)
 from zoo.bench.gpu_suite import gpu_suite
 from zoo.bench.measure import benchmark_style, benchmark_tp
 from zoo.bench.report import StyleReport, format_table, summary_line, to_json

@@ -9,8 +9,16 @@ import statistics
 
 import torch
 
-from zoo.bench.compare import (Trainee, batch_shape, build_hf, build_zoo, compiled, hf_num_parameters, token_batch,
-                               zoo_config)
+from zoo.bench.compare import (
+    Trainee,
+    batch_shape,
+    build_hf,
+    build_zoo,
+    compiled,
+    hf_num_parameters,
+    token_batch,
+    zoo_config,
+)
 from zoo.bench.memory import step_peak_memory_gb
 from zoo.bench.report import Result, StyleReport
 from zoo.bench.roofline import device_rates, gemm_shapes, roofline_report

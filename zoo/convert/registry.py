@@ -11,9 +11,10 @@ Adding an HF architecture whose blocks zoo has is one file in ``zoo/convert/hf/`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from zoo.models.registry import Registry
 

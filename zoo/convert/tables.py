@@ -10,8 +10,8 @@ Notation: h hidden, f intermediate, nq/nkv query/key-value heads, d head dim, E 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 
@@ -97,16 +97,16 @@ class Row:
     to_zoo: Callable = same
     to_hf: Callable = same
 
-    def fill(self, zoo_index, hf_index) -> "Row":
+    def fill(self, zoo_index, hf_index) -> Row:
         """The row with ``{}`` filled in: ``zoo_index`` in the zoo key, ``hf_index`` in the HF keys."""
         return Row(self.zoo.format(zoo_index), tuple(k.format(hf_index) for k in self.hf), self.hf_shapes,
                    self.to_zoo, self.to_hf)
 
-    def at(self, i: int | None) -> "Row":
+    def at(self, i: int | None) -> Row:
         """Block ``i``'s row: zoo's layer ``i + 1`` (layer 0 is the embedding), HF's block ``i``."""
         return self if i is None else self.fill(i + 1, i)
 
-    def with_hf(self, keys: tuple[str, ...]) -> "Row":
+    def with_hf(self, keys: tuple[str, ...]) -> Row:
         return Row(self.zoo, tuple(keys), self.hf_shapes, self.to_zoo, self.to_hf)
 
     def hf_tensors(self, zoo_tensor) -> tuple:

@@ -22,9 +22,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors import safe_open
@@ -43,7 +43,7 @@ from zoo.convert.hf.unet2d import (  # noqa: F401  (public here: the family's na
 from zoo.convert.hub import resolve_hf_folder
 from zoo.convert.reader import header_shapes, read_zoo_config
 from zoo.models.gpt import ParallelOptions
-from zoo.models.unet import DIFFUSION_FAMILY, SEG_FAMILY, SCHEDULER_CONFIG, DiffusionUNetConfig, schedule_from_config
+from zoo.models.unet import DIFFUSION_FAMILY, SCHEDULER_CONFIG, SEG_FAMILY, DiffusionUNetConfig, schedule_from_config
 from zoo.parallel.topology import initialize_model_parallel
 
 CONFIG_NAME = "config.json"

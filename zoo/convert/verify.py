@@ -27,9 +27,9 @@ the cap.
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

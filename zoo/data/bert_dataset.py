@@ -39,10 +39,10 @@ import re
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -184,7 +184,7 @@ def _tokenizer_digest(folder) -> str:
 
 
 def _embedded_marker(vocab_size: int, n_docs: int, tokenizer: str | None) -> dict:
-    return {"kind": "bert-sentences-1", "vocab_size": int(vocab_size), "python": "%d.%d" % sys.version_info[:2],
+    return {"kind": "bert-sentences-1", "vocab_size": int(vocab_size), "python": "{}.{}".format(*sys.version_info[:2]),
             "documents": n_docs, "tokenizer": tokenizer}
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import random
 import re
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 WORD = re.compile(r"[A-Za-z]+")  # a word: a maximal run of ASCII letters
 

@@ -39,8 +39,8 @@ import random
 import sys
 from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from fractions import Fraction
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -458,7 +458,7 @@ EMBEDDED_NAME = "embedded_text_document"
 
 
 def _embedded_marker(vocab_size: int, n_docs: int) -> dict:
-    return {"vocab_size": int(vocab_size), "python": "%d.%d" % sys.version_info[:2], "documents": n_docs}
+    return {"vocab_size": int(vocab_size), "python": "{}.{}".format(*sys.version_info[:2]), "documents": n_docs}
 
 
 def prepare_embedded_corpus(cache_dir: str | os.PathLike, vocab_size: int, seed: int = 0) -> dict[str, str]:

@@ -196,7 +196,7 @@ class ImageMaskFolders(_Indexed):
     def check(self, classes: int, depth: int) -> tuple[int, int]:
         """Open every file; one-line :class:`ImageFolderError` for the first problem. Returns ``(H, W)``."""
         first = None
-        for stem, img_path, mask_path in self.pairs:
+        for _stem, img_path, mask_path in self.pairs:
             size = image_size(img_path)
             if first is None:
                 first = (img_path, size)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import struct
 from array import array
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -150,7 +150,7 @@ class IndexedDatasetBuilder:
         if os.path.exists(self._tmp_bin):
             os.remove(self._tmp_bin)
 
-    def __enter__(self) -> "IndexedDatasetBuilder":
+    def __enter__(self) -> IndexedDatasetBuilder:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -15,8 +15,8 @@ so a sample corrupts the same way in every run and every data-parallel layout.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

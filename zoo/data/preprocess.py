@@ -49,7 +49,7 @@ import os
 import shutil
 import sys
 import time
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from zoo.flags import Parser
 

@@ -10,7 +10,6 @@ from zoo.training.config import RunConfig
 from zoo.training.run import RunParser
 from zoo.training.train import config_from_args as train_config_from_args
 
-
 OUTPUTS = "output folder: config.yaml, metrics.jsonl, loss.png, checkpoints/, model/, hf/"
 
 

@@ -39,7 +39,7 @@ class PretrainedBert(SpecSequential):
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike, *, device=None,
-                        dtype: torch.dtype = torch.float32) -> "PretrainedBert":
+                        dtype: torch.dtype = torch.float32) -> PretrainedBert:
         """Load a zoo BERT folder (or a run folder with ``model/``) on ``device`` (default CPU), in eval mode, with
         the folder's tokenizer as ``.tokenizer`` (None without tokenizer files)."""
         from zoo.convert.bert import LABELS_FILE, zoo_bert_config

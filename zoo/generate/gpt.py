@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -85,7 +86,7 @@ class PretrainedGPT(SpecSequential):
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike, *, device=None,
-                        dtype: torch.dtype = torch.float32) -> "PretrainedGPT":
+                        dtype: torch.dtype = torch.float32) -> PretrainedGPT:
         """Load a zoo GPT folder (or a run folder with ``model/``) on ``device`` (default CPU), in eval mode, with the
         folder's tokenizer as ``.tokenizer`` (None without tokenizer files)."""
         from zoo.data.tokenizer import TOKENIZER_FILES, load_tokenizer

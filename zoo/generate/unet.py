@@ -43,7 +43,7 @@ class PretrainedUNet(SpecSequential):
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike, *, device=None,
-                        dtype: torch.dtype = torch.float32) -> "PretrainedUNet":
+                        dtype: torch.dtype = torch.float32) -> PretrainedUNet:
         """Load a zoo U-Net folder (or a run folder with ``model/``) on ``device`` (default CPU), in eval mode."""
         from zoo.models.unet import config_from_dict
 

@@ -133,7 +133,7 @@ class BertConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_di
         return asdict(self)
 
     @classmethod
-    def from_preset(cls, name: str, **overrides) -> "BertConfig":
+    def from_preset(cls, name: str, **overrides) -> BertConfig:
         return preset_config(cls, PRESETS, "BERT", name, overrides)
 
 
@@ -217,7 +217,8 @@ class BertEmbedding(nn.Module):
                             f"{attention_mask.dtype}: a float tensor sent between pipeline stages needs a gradient")
         s = ids.shape[1]
         if s > self.config.max_position_embeddings:
-            raise ValueError(f"sequence length {s} exceeds max_position_embeddings {self.config.max_position_embeddings}")
+            raise ValueError(f"sequence length {s} exceeds max_position_embeddings "
+                             f"{self.config.max_position_embeddings}")
         x = self.word_embeddings(ids)  # [b, s, h]
         x = x + self.position_embeddings(torch.arange(s, device=ids.device))
         x = x + self.token_type_embeddings(token_type_ids)

@@ -40,10 +40,12 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
 from zoo.models.attention import attention
-from zoo.models.moe import GPTMoE
 from zoo.models.config import TransformerConfig, preset_config
+from zoo.models.moe import GPTMoE
 from zoo.parallel.context_parallel import (
     ALGORITHMS as CP_ALGORITHMS,
+)
+from zoo.parallel.context_parallel import (
     check_ulysses_heads,
     context_parallel_mean,
     ring_attention,
@@ -283,7 +285,7 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
         return d
 
     @classmethod
-    def from_preset(cls, name: str, **overrides) -> "GPTConfig":
+    def from_preset(cls, name: str, **overrides) -> GPTConfig:
         return preset_config(cls, PRESETS, "GPT", name, overrides)
 
 
@@ -301,7 +303,8 @@ _TINY_LLAMA = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_atte
                    **_LLAMA)
 PRESETS: dict[str, dict] = {
     # Tests and the laptop run.
-    "tiny": dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=128),
+    "tiny": dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                 max_position_embeddings=128),
     "tiny-llama": _TINY_LLAMA,
     # The main job (configs/gpt/main.yaml): "tiny" at twice the width, 0.88M parameters.
     "mini": dict(vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,

@@ -21,7 +21,8 @@ Layering: this module imports nothing of zoo at module level, so every layer (mo
 from __future__ import annotations
 
 import importlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 
 class Registry:

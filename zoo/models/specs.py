@@ -88,7 +88,8 @@ def building_pipeline():
 
 
 def build_pipeline(specs: list, grid, *, loss_fn, base_seed: int = 1234, partition_method: str = "parameters",
-                   activation_checkpointing: bool = False, checkpointable_layers: tuple[str, ...] = ()) -> PipelineModule:
+                   activation_checkpointing: bool = False,
+                   checkpointable_layers: tuple[str, ...] = ()) -> PipelineModule:
     """The same specs as a DeepSpeed ``PipelineModule`` on ``grid``'s topology, 1F1B schedule."""
     with building_pipeline():
         return PipelineModule(

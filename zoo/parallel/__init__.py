@@ -18,9 +18,9 @@ from zoo.parallel.layers import (
     scaled_init_method_normal,
 )
 from zoo.parallel.mappings import (
+    all_reduce_tensor_model_parallel_region,
     all_to_all,
     all_to_all_scatter_gather,
-    all_reduce_tensor_model_parallel_region,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,

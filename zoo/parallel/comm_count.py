@@ -150,7 +150,7 @@ class CommCounter:
         self._saved.append((owner, attr, fn))
         setattr(owner, attr, self._wrap(fn_name, fn))
 
-    def __enter__(self) -> "CommCounter":
+    def __enter__(self) -> CommCounter:
         originals = {name: getattr(dist, name) for name in _WRAPPED if hasattr(dist, name)}
         for name in originals:
             self._swap(dist, name, name)

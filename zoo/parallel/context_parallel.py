@@ -280,7 +280,7 @@ class _RingAttention(torch.autograd.Function):
         q32, dout32 = q.float(), dout.float()
         delta = (dout32 * out.float()).sum(-1)  # D = rowsum(dO o O): [b, nkv, g, s_l]
         dq = torch.zeros_like(q32)
-        block, dkv_reqs = kv, []
+        block, dkv_reqs, dkv_in = kv, [], None
         for step in range(cp):
             if step < cp - 1:
                 incoming, reqs = _ring_send_recv(block, group)

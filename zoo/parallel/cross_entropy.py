@@ -91,7 +91,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, *, label_smoothing: float = 0.0,
-                                 ignore_index: int = -100, vocab_size: int | None = None, tp_group=None) -> torch.Tensor:
+                                 ignore_index: int = -100, vocab_size: int | None = None,
+                                 tp_group=None) -> torch.Tensor:
     """Per-token cross entropy from vocab-sharded logits.
 
     Args:
@@ -222,10 +223,10 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, target:
         chunk_tokens: tokens per chunk (default: :data:`CPU_CHUNK_ELEMENTS` or :data:`ACCELERATOR_CHUNK_ELEMENTS`
             logits per chunk, by the device).
     Returns:
-        a float32 scalar (float64 for a float64 weight), the sum of the per-token losses. Its gradient is only right for a scalar upstream
-        gradient (the loss of a mean is), which is all autograd ever passes to a scalar. With TP each chunk makes
-        three all-reduces of ``[chunk]`` tensors (four with label smoothing), where the unfused loss makes three
-        of ``[tokens]``.
+        a float32 scalar (float64 for a float64 weight), the sum of the per-token losses. Its gradient is only right for
+        a scalar upstream gradient (the loss of a mean is), which is all autograd ever passes to a scalar. With TP each
+        chunk makes three all-reduces of ``[chunk]`` tensors (four with label smoothing), where the unfused loss makes
+        three of ``[tokens]``.
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")

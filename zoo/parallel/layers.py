@@ -26,7 +26,7 @@ output. A replicated parameter then only sees part of the sequence, so its gradi
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -85,7 +85,8 @@ def shard_master_weight(master: torch.Tensor, partition_dim: int, rank: int, wor
     split over TP.
     """
     size = master.shape[partition_dim]
-    per_block = divide(size, world_size * stride, f"dimension {partition_dim} of a {tuple(master.shape)} weight / stride {stride}")
+    per_block = divide(size, world_size * stride,
+                       f"dimension {partition_dim} of a {tuple(master.shape)} weight / stride {stride}")
     if world_size == 1:  # the whole tensor: no copy (a model built one layer at a time holds each layer once)
         return master.contiguous()
     blocks = torch.split(master, per_block, dim=partition_dim)
@@ -192,7 +193,8 @@ class RowParallelLinear(nn.Module):
 
     def extra_repr(self):
         return (f"in={self.input_size} (local {self.input_size_per_partition}), out={self.output_size}, "
-                f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, sp={self.sequence_parallel}")
+                f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
+                f"sp={self.sequence_parallel}")
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -40,7 +40,8 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     if world == 1:
         return x
     if x.shape[dim] % world:
-        raise ValueError(f"cannot split dimension {dim} of size {x.shape[dim]} into {world} equal tensor-parallel parts")
+        raise ValueError(f"cannot split dimension {dim} of size {x.shape[dim]} into {world} equal "
+                         "tensor-parallel parts")
     return x.chunk(world, dim=dim)[rank].contiguous()
 
 

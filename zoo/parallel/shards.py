@@ -27,7 +27,8 @@ def shard_ranges(full_size: int, rank: int, world: int, stride: int = 1) -> list
 
 
 def full_tensor(local: torch.Tensor, partition_dim: int, stride: int, tp_group) -> torch.Tensor:
-    """All-gather ``local`` over ``tp_group`` and put its blocks back in the full tensor's order (every rank gets it)."""
+    """All-gather ``local`` over ``tp_group`` and put its blocks back in the full tensor's order (every rank gets
+    it)."""
     rank, world = group_rank_and_size(tp_group)
     if world == 1:
         return local.detach().clone()

@@ -77,7 +77,6 @@ import os
 import weakref
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 
@@ -164,13 +163,13 @@ def init_distributed(timeout_minutes: float | None = None) -> None:
     if dist.is_available() and dist.is_initialized():
         return
     import deepspeed
-    from deepspeed.accelerator import get_accelerator
 
     # torch.distributed.nn.functional binds ``group=group.WORLD`` as default arguments when it is imported, and
     # DeepSpeed imports it lazily (its Ulysses module) once the world group exists: those defaults would then hold
     # the world group, and its threads, until interpreter exit (the exit-time abort, destroy_model_parallel).
     # Imported before the group exists, they hold None (which means the world group too).
     import torch.distributed.nn  # noqa: F401
+    from deepspeed.accelerator import get_accelerator
 
     global _AT_EXIT
     if not _AT_EXIT:  # atexit runs before finalization, while every module is still whole
@@ -232,7 +231,8 @@ class ParallelGrid:
         _EVERY_GRID.add(self)
 
         if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialized; call zoo.parallel.topology.init_distributed() first")
+            raise RuntimeError("torch.distributed is not initialized; "
+                               "call zoo.parallel.topology.init_distributed() first")
         world_size = dist.get_world_size()
         self.tp, self.pp, self.ep, self.dp = tp, pp, ep, check_layout(world_size, tp, pp, ep, cp, ep_spans_tp)
         self.cp = cp
@@ -394,7 +394,7 @@ class ParallelGrid:
 
 _GRIDS: dict[tuple[int, ...], ParallelGrid] = {}
 _CURRENT: ParallelGrid | None = None
-_EVERY_GRID: "weakref.WeakSet[ParallelGrid]" = weakref.WeakSet()  # also those a caller still holds
+_EVERY_GRID: weakref.WeakSet[ParallelGrid] = weakref.WeakSet()  # also those a caller still holds
 
 
 def initialize_model_parallel(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
@@ -431,9 +431,10 @@ def destroy_model_parallel() -> None:
     A gloo group's threads end only when the last reference to the group goes. Left to interpreter exit, that
     happens during finalization in no fixed order, and now and then a still-joinable ``std::thread`` is destroyed:
     the process prints ``terminate called without an active exception`` and aborts after it has done its work
-    (about 3 runs in 8 on 2 ranks without it; .ci/clean_exits.py checks). So this also empties every grid ever built (the caller may still hold
-    one: its groups read ``None`` afterwards) and DeepSpeed's group caches, then collects. zoo's entry points call
-    it on every exit path, and :func:`init_distributed` registers it with ``atexit`` for scripts that do not.
+    (about 3 runs in 8 on 2 ranks without it; .ci/clean_exits.py checks). So this also empties every grid ever built
+    (the caller may still hold one: its groups read ``None`` afterwards) and DeepSpeed's group caches, then collects.
+    zoo's entry points call it on every exit path, and :func:`init_distributed` registers it with ``atexit`` for scripts
+    that do not.
     """
     global _CURRENT
     if dist.is_available() and dist.is_initialized():

@@ -111,16 +111,16 @@ def _gb(x: float) -> str:
 
 
 def table(rows, top: int) -> str:
-    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'ep':>3} {'cp':>3} {'zero':>4} {'mb':>3} {'sp':>3} {'recomp':>9} | "
-            f"{'GiB/GPU':>7} {'param':>6} {'grad':>6} {'optim':>6} {'activ':>6} {'buf':>5} | {'step s':>7} "
-            f"{'comp':>6} {'comm':>6} {'bubble':>6} | {'tokens/s':>10} {'TFLOP/s':>7} {'MFU':>5}")
+    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'ep':>3} {'cp':>3} {'zero':>4} {'mb':>3} {'sp':>3} "
+            f"{'recomp':>9} | {'GiB/GPU':>7} {'param':>6} {'grad':>6} {'optim':>6} {'activ':>6} {'buf':>5} | "
+            f"{'step s':>7} {'comp':>6} {'comm':>6} {'bubble':>6} | {'tokens/s':>10} {'TFLOP/s':>7} {'MFU':>5}")
     lines = [head, "-" * len(head)]
     for n, e in enumerate(rows[:top], 1):
         lay, m, t = e.layout, e.memory, e.time
         ep = f"{lay.ep}*" if lay.ep_spans_tp else str(lay.ep)
-        lines.append(f"{n:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>5} {ep:>3} {lay.cp:>3} {lay.zero:>4} {lay.micro_batch:>3} "
-                     f"{'y' if lay.sp else 'n':>3} {lay.recompute:>9} | {e.memory_per_gpu_gb:>7.1f} "
-                     f"{_gb(m['params']):>6} {_gb(m['grads']):>6} {_gb(m['optimizer']):>6} "
+        lines.append(f"{n:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>5} {ep:>3} {lay.cp:>3} {lay.zero:>4} "
+                     f"{lay.micro_batch:>3} {'y' if lay.sp else 'n':>3} {lay.recompute:>9} | "
+                     f"{e.memory_per_gpu_gb:>7.1f} {_gb(m['params']):>6} {_gb(m['grads']):>6} {_gb(m['optimizer']):>6} "
                      f"{_gb(m['activations']):>6} {_gb(m['buffers'] + m['reserved']):>5} | {e.step_time_s:>7.3f} "
                      f"{t['compute']:>6.3f} {t['communication']:>6.3f} {t['bubble']:>6.3f} | "
                      f"{e.tokens_per_s:>10.0f} {e.tflops_per_gpu:>7.1f} {e.mfu:>5.1%}")

@@ -28,7 +28,8 @@ class Job:
     optimizer: str = "adamw"
     attention: str = "flash"  # "flash": zoo's SDPA, no s x s matrix; "unfused": scores stored (Megatron 2021)
     fused_cross_entropy: bool = False  # training.fused_cross_entropy (every layout)
-    ema: bool = False  # training.ema_decay > 0: an fp32 average of what the rank holds of the weights (zoo.training.ema)
+    # training.ema_decay > 0: an fp32 average of what the rank holds of the weights (zoo.training.ema)
+    ema: bool = False
 
 
 @dataclass(frozen=True)

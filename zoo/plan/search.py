@@ -4,8 +4,9 @@ The axes and zoo's rules for them (the same as ``zoo.training.config.validate``)
 key-value heads and the MLP width (and is at most the GPUs of a node unless ``allow_cross_node_tp``); pp divides
 the GPUs left and is at most the number of blocks; dp = GPUs / (tp pp); ep (mixture-of-experts models) divides
 dp (or, with EP groups spanning TP, is tp x a divisor of dp) and the experts; ZeRO 0-3 at pp 1, ZeRO 0-1 with a
-pipeline (DeepSpeed's rule); sequence parallelism needs tp > 1 and a sequence divisible by tp; the micro batch times dp divides the global batch; recomputation none or
-full ("selective" only where the attention kernel stores the s x s scores, which zoo's SDPA does not).
+pipeline (DeepSpeed's rule); sequence parallelism needs tp > 1 and a sequence divisible by tp; the micro batch times dp
+divides the global batch; recomputation none or full ("selective" only where the attention kernel stores the s x s
+scores, which zoo's SDPA does not).
 """
 
 from __future__ import annotations

@@ -38,7 +38,6 @@ import contextlib
 import json
 import os
 import random
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path

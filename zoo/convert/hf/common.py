@@ -3,7 +3,7 @@ with their validation errors as refusals."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from zoo.convert.errors import ConvertError
 

@@ -124,7 +124,7 @@ def diffusers_config_to_zoo(cfg_dict: dict) -> DiffusionUNetConfig:
     kwargs = {k: v for k, v in cfg_dict.items() if not k.startswith("_")}
     unknown = sorted(set(kwargs) - known)
     if unknown:
-        warnings.warn(f"ignoring config field(s) {unknown}, which {CLASS_NAME} does not take")
+        warnings.warn(f"ignoring config field(s) {unknown}, which {CLASS_NAME} does not take", stacklevel=2)
     kwargs = {k: v for k, v in kwargs.items() if k in known}
     kwargs.setdefault("sample_size", None)  # diffusers' default, where ours is 32
     try:

@@ -70,7 +70,7 @@ class SegUNetConfig(_UNetConfig):
         return d
 
     @classmethod
-    def from_preset(cls, name: str, **overrides) -> "SegUNetConfig":
+    def from_preset(cls, name: str, **overrides) -> SegUNetConfig:
         return preset_config(cls, SEG_PRESETS, "segmentation U-Net", name, overrides)
 
 
@@ -182,7 +182,7 @@ class DiffusionUNetConfig(_UNetConfig):
         return d
 
     @classmethod
-    def from_preset(cls, name: str, **overrides) -> "DiffusionUNetConfig":
+    def from_preset(cls, name: str, **overrides) -> DiffusionUNetConfig:
         return preset_config(cls, DIFFUSION_PRESETS, "diffusion U-Net", name, overrides)
 
 
