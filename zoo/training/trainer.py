@@ -226,6 +226,7 @@ class Trainer:
         self.resume, self.universal, self.progress = resume, universal, progress
         self.family, self.out = get_family(cfg.model.family), Path(cfg.out)
         self.engine = self.loss_fn = self.ema = self.metrics = None
+        self.moe = self.nonfinite = self.first_step = self.comm = None  # built with the engine (build)
         self.result = RunResult()
 
     # -- build ---------------------------------------------------------------------------------------------------
@@ -480,11 +481,13 @@ class Trainer:
                        tokenizer_dir=self.data.tokenizer_dir, extra_files=self.family.export_files(cfg, model_cfg))
 
     def close_engine(self) -> None:
-        """Destroy the engine (DeepSpeed's hooks and buffers: tests train many engines in one process); the metrics
+        """Destroy the engine (DeepSpeed's hooks and buffers: tests train many engines in one process) and drop every
+        object that holds it or the grid's process groups, so that their threads end with the groups; the metrics
         writer stays open."""
         if self.engine is not None:
             destroy_engine(self.engine)
-        self.engine = self.ema = None
+        self.engine = self.ema = self.loss_fn = None
+        self.moe = self.nonfinite = self.first_step = self.comm = None
 
     def take_metrics(self) -> MetricsWriter | None:
         """The open metrics writer, for a caller that logs more after the trainer closes (it closes it then)."""
