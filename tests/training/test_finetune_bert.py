@@ -138,7 +138,7 @@ def test_finetune_tp2_learns_and_exports(task, tmp_path, dist_run):
 
 
 def classifier_case(overrides, train, valid, tokenizer, out):
-    """Trainer.fit() of the bert-classifier family (random tiny init, no dropout) in this worker; the per-step losses."""
+    """Trainer.fit() of the bert-classifier family (random tiny init, no dropout) in this worker; per-step losses."""
     import torch.distributed as dist
 
     from zoo.parallel.topology import initialize_model_parallel

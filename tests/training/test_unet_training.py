@@ -1,6 +1,6 @@
 """The U-Net families through the training run: layouts against one process, metrics, pictures, resume, errors.
 
-Each layout run trains 3 steps through ``zoo.training.train.train`` from the same seed on the same global batch;
+Each layout run trains 3 steps through ``zoo.training.trainer.Trainer`` from the same seed on the same global batch;
 losses must agree with the single-process run within 1e-5 relative at every step (fp32), on the gloo pools of
 1, 2 and 4 ranks. The short end-to-end runs call ``launch/train.py``'s ``main`` in this process (a world of one).
 """
