@@ -34,11 +34,12 @@ def train_loop(cfg, model_cfg, log=print) -> list[float]:
     from deepspeed.accelerator import get_accelerator
 
     from zoo.data.batches import micro_batch, to_device
+    from zoo.models.gpt import ParallelOptions
     from zoo.models.specs import SpecSequential
     from zoo.parallel.random import model_parallel_seed
     from zoo.parallel.topology import init_distributed
+    from zoo.training.engine import lr_factor, param_groups
     from zoo.training.families import get_family
-    from zoo.training.train import lr_factor, param_groups
 
     tr, gas = cfg.training, cfg.gradient_accumulation_steps
     init_distributed()  # any launcher, or none (a world of one), as launch/train.py starts
@@ -52,7 +53,8 @@ def train_loop(cfg, model_cfg, log=print) -> list[float]:
         kwargs_handlers=[InitProcessGroupKwargs(backend=get_accelerator().communication_backend_name())])
 
     family = get_family(cfg.model.family)
-    model = SpecSequential(family.layer_specs(model_cfg, False), base_seed=tr.seed)  # seeded as launch/train.py's
+    # one process's layout (no TP, SP, EP or CP), seeded as launch/train.py's
+    model = SpecSequential(family.layer_specs(model_cfg, ParallelOptions()), base_seed=tr.seed)
     loss_fn = family.loss(model_cfg)
     model_parallel_seed(tr.seed)  # dropout streams, as launch/train.py seeds them
     optimizer = torch.optim.AdamW(param_groups(model, tr.weight_decay), lr=tr.lr, betas=(tr.adam_beta1, tr.adam_beta2),

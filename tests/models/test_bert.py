@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from zoo.convert.bert import IGNORED, hf_rows
 from zoo.data.masking import SpecialTokens, mask_tokens
-from zoo.training.train import destroy_engine
+from zoo.training.engine import destroy_engine
 from zoo.models.bert import (
     BertClassificationLoss,
     BertConfig,

@@ -14,7 +14,7 @@ from tests.parallel.helpers import grid_for
 from zoo.data.shapes import ShapesImages, ShapesSegmentation, stack
 from zoo.models.gpt import ParallelOptions
 from zoo.models.specs import SpecSequential
-from zoo.training.train import destroy_engine
+from zoo.training.engine import destroy_engine
 from zoo.models.unet import (
     DDPMSchedule,
     DiffusionLoss,

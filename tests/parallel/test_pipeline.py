@@ -8,7 +8,7 @@ from deepspeed.runtime.utils import set_random_seed
 from torch import nn
 
 from tests.parallel.helpers import gen, grid_for
-from zoo.training.train import destroy_engine
+from zoo.training.engine import destroy_engine
 from zoo.parallel.layers import ColumnParallelLinear, RowParallelLinear, init_method_normal
 
 HIDDEN, FFN, OUT, BLOCKS = 8, 16, 4, 4

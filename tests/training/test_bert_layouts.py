@@ -27,19 +27,20 @@ COMMON = [f"training.steps={STEPS}", "training.micro_batch_size=2", "training.gl
 
 
 def train_case(overrides, out, resume_step=None, universal=False):
-    """train() in this worker; returns (losses, per-step metric records written by global rank 0, else None)."""
+    """Trainer.fit() in this worker; returns (losses, per-step metric records written by global rank 0, else None)."""
     import torch.distributed as dist
 
     from zoo.parallel.topology import initialize_model_parallel
     from zoo.training.checkpoint import find_checkpoint
     from zoo.training.config import load, validate
-    from zoo.training.train import train
+    from zoo.training.trainer import Trainer
 
     cfg = load(CONFIG, COMMON + list(overrides) + [f"out={out}"])
     model_cfg = validate(cfg, dist.get_world_size())
     grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp)
     resume = find_checkpoint(out, resume_step) if resume_step is not None else None
-    losses = train(cfg, model_cfg, grid, log=lambda s: None, resume=resume, universal=universal)
+    with Trainer(cfg, model_cfg, grid, log=lambda s: None, resume=resume, universal=universal) as trainer:
+        losses = trainer.fit().losses
     records = None
     if grid.rank == 0:
         records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]

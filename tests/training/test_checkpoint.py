@@ -29,20 +29,21 @@ COMMON = ["training.micro_batch_size=2", "training.global_batch_size=4", "traini
 
 
 def run_case(overrides, out, resume_step=None, universal=False):
-    """train() in this worker; with resume_step, first load that checkpoint of ``out``'s first run folder."""
+    """Trainer.fit() in this worker; with resume_step, first load that checkpoint of ``out``'s first run folder."""
     import torch.distributed as dist
 
     from zoo.parallel.topology import initialize_model_parallel
     from zoo.training.checkpoint import find_checkpoint
     from zoo.training.config import load, validate
-    from zoo.training.train import train
+    from zoo.training.trainer import Trainer
 
     cfg = load(CONFIG, COMMON + list(overrides) + [f"out={out}"])
     model_cfg = validate(cfg, dist.get_world_size())
     grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.cp,
                                      ep_spans_tp=cfg.parallel.ep_spans_tp)
     resume = find_checkpoint(out, resume_step) if resume_step is not None else None
-    return train(cfg, model_cfg, grid, log=lambda s: None, resume=resume, universal=universal)
+    with Trainer(cfg, model_cfg, grid, log=lambda s: None, resume=resume, universal=universal) as trainer:
+        return trainer.fit().losses
 
 
 def _free_port():

@@ -36,14 +36,15 @@ def train_case(model, overrides, out, resume_step=None, same_layout=False):
     from zoo.parallel.topology import initialize_model_parallel
     from zoo.training.checkpoint import find_checkpoint
     from zoo.training.config import load, validate
-    from zoo.training.train import train
+    from zoo.training.trainer import Trainer
 
     cfg = load(CONFIGS[model], COMMON + list(overrides) + [f"out={out}"])
     model_cfg = validate(cfg, dist.get_world_size())
     grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cp=cfg.parallel.cp)
     resume = None if resume_step is None else find_checkpoint(out, resume_step)
     universal = resume is not None and not same_layout
-    return train(cfg, model_cfg, grid, log=lambda s: None, resume=resume, universal=universal)
+    with Trainer(cfg, model_cfg, grid, log=lambda s: None, resume=resume, universal=universal) as trainer:
+        return trainer.fit().losses
 
 
 LAYOUTS = {  # name: (world size, overrides)

@@ -28,15 +28,16 @@ def ema_case(overrides, out, resume_step=None, universal=False, config=CONFIG):
     from zoo.parallel.topology import initialize_model_parallel
     from zoo.training.checkpoint import find_checkpoint
     from zoo.training.config import load, validate
-    from zoo.training.run import train_and_save
-    from zoo.training.train import build_data
+    from zoo.training.run import say, train_and_save
+    from zoo.training.trainer import Trainer, build_data
 
     cfg = load(config, COMMON + EMA + list(overrides) + [f"out={out}"])
     model_cfg = validate(cfg, dist.get_world_size())
     grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep)
     resume = find_checkpoint(out, resume_step) if resume_step is not None else None
-    return train_and_save(cfg, model_cfg, grid, build_data(cfg, model_cfg, grid), resume=resume,
-                          universal=universal).losses
+    with Trainer(cfg, model_cfg, grid, build_data(cfg, model_cfg, grid), log=say, resume=resume, universal=universal,
+                 progress=True) as trainer:
+        return train_and_save(trainer).losses
 
 
 def folder_tensors(folder: Path) -> dict:

@@ -30,14 +30,14 @@ class Poisoned:
 
 
 def nan_case(overrides, out, nan_steps):
-    """train() with NaN losses on rank 1 in ``nan_steps``; returns (losses, skipped records, weights, Adam's exp_avg
-    sums, engine.skipped_steps) of this rank."""
+    """Trainer.fit() with NaN losses on rank 1 in ``nan_steps``; returns (losses, skipped records, weights, Adam's
+    exp_avg sums, engine.skipped_steps) of this rank."""
     import json
     from pathlib import Path
 
     import torch.distributed as dist
 
-    import zoo.training.train as T
+    import zoo.training.trainer as T
     from zoo.parallel.topology import initialize_model_parallel
     from zoo.training.config import load, validate
 
@@ -52,22 +52,23 @@ def nan_case(overrides, out, nan_steps):
 
     T.build_engine = build
     try:
-        result = T.train(cfg, model_cfg, grid, log=lambda s: None, keep_engine=True)
+        trainer = T.Trainer(cfg, model_cfg, grid, log=lambda s: None)
+        result = trainer.fit()
     finally:
         T.build_engine = real
-    engine = result.engine
-    weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    from deepspeed.utils import safe_get_full_optimizer_state
+    with trainer:
+        engine = trainer.engine
+        weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        from deepspeed.utils import safe_get_full_optimizer_state
 
-    from zoo.training.moe import link_optimizer_states
+        from zoo.training.moe import link_optimizer_states
 
-    link_optimizer_states(engine)
-    moments = []
-    for p in engine.module.parameters():
-        state = safe_get_full_optimizer_state(p, "exp_avg")
-        moments.append(float((state if state is not None else engine.optimizer.state[p]["exp_avg"]).sum()))
-    skipped = engine.skipped_steps
-    T.destroy_engine(engine)
+        link_optimizer_states(engine)
+        moments = []
+        for p in engine.module.parameters():
+            state = safe_get_full_optimizer_state(p, "exp_avg")
+            moments.append(float((state if state is not None else engine.optimizer.state[p]["exp_avg"]).sum()))
+        skipped = engine.skipped_steps
     records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()] \
         if dist.get_rank() == 0 else []
     return result.losses, [r["step"] for r in records if r.get("skipped")], weights, moments, skipped

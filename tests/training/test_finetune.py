@@ -132,12 +132,12 @@ def test_bad_inputs_one_line_and_nothing_written(task, tmp_path, capsys):
 
 
 def init_from_hf_case(hf, out):
-    """train() at tp=2 from the HF folder ``hf`` (converted on the fly by rank 0 into out/init-model)."""
+    """Trainer.fit() at tp=2 from the HF folder ``hf`` (converted on the fly by rank 0 into out/init-model)."""
     import torch.distributed as dist
 
     from zoo.parallel.topology import initialize_model_parallel
     from zoo.training.config import load, validate
-    from zoo.training.train import train
+    from zoo.training.trainer import Trainer
 
     cfg = load(ROOT / "configs/gpt/tiny.yaml", [
         f"training.init_from={hf}", "parallel.tp=2", "training.steps=3", f"out={out}", "data.source=synthetic",
@@ -145,7 +145,8 @@ def init_from_hf_case(hf, out):
         "training.eval_interval=0", "training.save=false"])
     model_cfg = validate(cfg, dist.get_world_size())
     grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp)
-    return train(cfg, model_cfg, grid, log=lambda s: None)
+    with Trainer(cfg, model_cfg, grid, log=lambda s: None) as trainer:
+        return trainer.fit().losses
 
 
 def test_train_from_hf_folder_at_tp2(task, tmp_path, dist_run):

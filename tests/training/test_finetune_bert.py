@@ -138,12 +138,12 @@ def test_finetune_tp2_learns_and_exports(task, tmp_path, dist_run):
 
 
 def classifier_case(overrides, train, valid, tokenizer, out):
-    """train() of the bert-classifier family (random tiny init, no dropout) in this worker; the per-step losses."""
+    """Trainer.fit() of the bert-classifier family (random tiny init, no dropout) in this worker; per-step losses."""
     import torch.distributed as dist
 
     from zoo.parallel.topology import initialize_model_parallel
     from zoo.training.config import load, validate
-    from zoo.training.train import train as run
+    from zoo.training.trainer import Trainer
 
     cfg = load(ROOT / "configs/bert/classify.yaml",
                ["training.steps=4", "training.micro_batch_size=2", "training.global_batch_size=8",
@@ -153,7 +153,8 @@ def classifier_case(overrides, train, valid, tokenizer, out):
     cfg.data.paths, cfg.data.valid_paths, cfg.data.tokenizer = [str(train)], [str(valid)], str(tokenizer)
     model_cfg = validate(cfg, dist.get_world_size())
     grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp)
-    return run(cfg, model_cfg, grid, log=lambda s: None)
+    with Trainer(cfg, model_cfg, grid, log=lambda s: None) as trainer:
+        return trainer.fit().losses
 
 
 def test_classifier_layouts_match_single_process(dist_run, task, tmp_path):

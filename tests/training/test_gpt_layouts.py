@@ -25,14 +25,15 @@ def train_case(model, overrides, out):
     """Train in this worker with the layout given by overrides; returns the per-step losses."""
     from zoo.parallel.topology import initialize_model_parallel
     from zoo.training.config import load, validate
-    from zoo.training.train import train
+    from zoo.training.trainer import Trainer
 
     import torch.distributed as dist
 
     cfg = load(CONFIGS[model], COMMON + list(overrides) + [f"out={out}"])
     model_cfg = validate(cfg, dist.get_world_size())
     grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp)
-    return train(cfg, model_cfg, grid, log=lambda s: None)
+    with Trainer(cfg, model_cfg, grid, log=lambda s: None) as trainer:
+        return trainer.fit().losses
 
 
 LAYOUTS = {  # name: (world size, overrides)

@@ -93,7 +93,7 @@ def offline_wandb_run(out):
 
     from zoo.parallel.topology import initialize_model_parallel
     from zoo.training.config import load, validate
-    from zoo.training.train import train
+    from zoo.training.trainer import Trainer
 
     before = os.environ.get("WANDB_MODE")
     os.environ["WANDB_MODE"] = "offline"
@@ -106,7 +106,8 @@ def offline_wandb_run(out):
                     "training.wandb_tags=[tiny,offline]", f"out={out}"])
         model_cfg = validate(cfg, dist.get_world_size())
         grid = initialize_model_parallel(1, 1)
-        return train(cfg, model_cfg, grid, log=lambda s: None)
+        with Trainer(cfg, model_cfg, grid, log=lambda s: None) as trainer:
+            return trainer.fit().losses
     finally:
         os.environ.pop("WANDB_MODE") if before is None else os.environ.update(WANDB_MODE=before)
 

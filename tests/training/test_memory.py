@@ -84,7 +84,7 @@ def one_forward_saves(engine, cfg, model_cfg, grid) -> int:
     """What one micro-batch's forward saves (ZeRO-0, no pipeline, no recomputation: the peak of a step)."""
     from deepspeed.accelerator import get_accelerator
 
-    from zoo.training import train as training
+    from zoo.training import trainer as training
     from zoo.training.families import get_family
 
     data = training.build_data(cfg, model_cfg, grid)
@@ -99,9 +99,10 @@ def train_measured(overrides, out, persistence_threshold=None):
     import torch.distributed as dist
 
     from zoo.parallel.topology import initialize_model_parallel
-    from zoo.training import train as training
+    from zoo.training import engine as training
     from zoo.training.config import load, validate
     from zoo.training.memory import read_memory
+    from zoo.training.trainer import Trainer
 
     cfg = load(ROOT / "configs/gpt/tiny.yaml", COMMON + list(overrides) + [f"out={out}"])
     model_cfg = validate(cfg, dist.get_world_size())
@@ -111,13 +112,14 @@ def train_measured(overrides, out, persistence_threshold=None):
         training.deepspeed_config = lambda c, **kw: {**make_config(c, **kw), "zero_optimization": {
             **make_config(c, **kw)["zero_optimization"], "stage3_param_persistence_threshold": persistence_threshold}}
     lines = []
+    trainer = Trainer(cfg, model_cfg, grid, log=lines.append)
     try:
-        result = training.train(cfg, model_cfg, grid, log=lines.append, keep_engine=True)
+        result = trainer.fit()
     finally:
         training.deepspeed_config = make_config
-    shapes = [tuple(getattr(p, "ds_shape", p.shape)) for p in result.engine.module.parameters()]
-    walked = one_forward_saves(result.engine, cfg, model_cfg, grid) if cfg.parallel.zero_stage == 0 else None
-    training.destroy_engine(result.engine)
+    with trainer:
+        shapes = [tuple(getattr(p, "ds_shape", p.shape)) for p in trainer.engine.module.parameters()]
+        walked = one_forward_saves(trainer.engine, cfg, model_cfg, grid) if cfg.parallel.zero_stage == 0 else None
     records = (Path(out) / "metrics.jsonl").read_text().splitlines() if grid.rank == 0 else []
     return {"memory": result.memory, "read": read_memory(out) if grid.rank == 0 else None, "lines": lines,
             "records": records, "shapes": shapes, "params": model_cfg.num_parameters(), "walked": walked}

@@ -91,7 +91,7 @@ def train_case(model, overrides, out):
     import torch.distributed as dist
 
     from zoo.parallel.topology import initialize_model_parallel
-    from zoo.training import train as run
+    from zoo.training import trainer as run
     from zoo.training.config import load, validate
 
     cfg = load(CONFIG, COMMON + MODELS[model] + list(overrides) + [f"out={out}"])
@@ -116,7 +116,8 @@ def train_case(model, overrides, out):
 
     run.build_engine = capturing_build_engine
     try:
-        losses = run.train(cfg, model_cfg, grid, log=lambda s: None)
+        with run.Trainer(cfg, model_cfg, grid, log=lambda s: None) as trainer:
+            losses = trainer.fit().losses
     finally:
         run.build_engine = build_engine
     metrics = None
@@ -217,6 +218,7 @@ def plain_autograd_grads(model, router_scale_factor=1.0):
     """The first step's gradients by plain autograd, no DeepSpeed: the mean over the step's micro-batches of
     (cross entropy + the router losses), the router losses injected with ``router_scale_factor`` / gas."""
     from zoo.data.batches import micro_batch
+    from zoo.models.gpt import ParallelOptions
     from zoo.models.moe import GPTMoE
     from zoo.models.specs import SpecSequential
     from zoo.parallel.topology import initialize_model_parallel
@@ -227,7 +229,7 @@ def plain_autograd_grads(model, router_scale_factor=1.0):
     model_cfg = validate(cfg, 1)
     grid = initialize_model_parallel(1, 1)
     family, tr, gas = get_family("gpt"), cfg.training, cfg.gradient_accumulation_steps
-    module = SpecSequential(family.layer_specs(model_cfg, False), base_seed=tr.seed)
+    module = SpecSequential(family.layer_specs(model_cfg, ParallelOptions()), base_seed=tr.seed)
     loss_fn = family.loss(model_cfg)
     for m in module.modules():
         if isinstance(m, GPTMoE):

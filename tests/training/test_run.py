@@ -54,7 +54,7 @@ def test_init_from_a_folder_without_a_tokenizer_says_a_new_one_is_trained(hf_gpt
 def test_the_loss_plot_names_the_familys_loss(family, tmp_path, monkeypatch):
     from matplotlib.axes import Axes
 
-    from zoo.training.train import plot_losses
+    from zoo.training.trainer import plot_losses
 
     label = get_family(family).loss_label(load(None, [f"model.family={family}"]))
     assert ("nats/token" in label) == (family == "gpt"), label

@@ -1,6 +1,6 @@
 """The U-Net families through the training run: layouts against one process, metrics, pictures, resume, errors.
 
-Each layout run trains 3 steps through ``zoo.training.train.train`` from the same seed on the same global batch;
+Each layout run trains 3 steps through ``zoo.training.trainer.Trainer`` from the same seed on the same global batch;
 losses must agree with the single-process run within 1e-5 relative at every step (fp32), on the gloo pools of
 1, 2 and 4 ranks. The short end-to-end runs call ``launch/train.py``'s ``main`` in this process (a world of one).
 """
@@ -34,13 +34,14 @@ def setup_run(variant, overrides, out):
 
 
 def train_case(variant, overrides, out, resume_step=None, universal=False):
-    """train() in this worker in the layout of ``overrides``; the per-step losses."""
+    """Trainer.fit() in this worker in the layout of ``overrides``; the per-step losses."""
     from zoo.training.checkpoint import find_checkpoint
-    from zoo.training.train import train
+    from zoo.training.trainer import Trainer
 
     cfg, model_cfg, grid = setup_run(variant, overrides, out)
     resume = find_checkpoint(out, resume_step) if resume_step is not None else None
-    return train(cfg, model_cfg, grid, log=lambda s: None, resume=resume, universal=universal)
+    with Trainer(cfg, model_cfg, grid, log=lambda s: None, resume=resume, universal=universal) as trainer:
+        return trainer.fit().losses
 
 
 LAYOUTS = {  # name: (world size, overrides) for (tp, pp, dp)
@@ -99,14 +100,15 @@ def grid_and_export_case(out):
     from zoo.convert.io import save_model
     from zoo.training.families import get_family
     from zoo.finetune.unet import consolidate
-    from zoo.training.train import build_data, destroy_engine, train
+    from zoo.training.trainer import Trainer, build_data
 
     cfg, model_cfg, grid = setup_run("seg", ["parallel.pp=2", "training.steps=1"], out)
     data = build_data(cfg, model_cfg, grid)
-    engine = train(cfg, model_cfg, grid, log=lambda s: None, data=data, keep_engine=True).engine
-    path = get_family("unet-segmentation").after_evaluation(engine, cfg, grid, data, 1)
-    save_model(Path(out) / "model", engine.module, grid, "unet-segmentation", model_cfg.to_dict())
-    destroy_engine(engine)
+    with Trainer(cfg, model_cfg, grid, data, log=lambda s: None) as trainer:
+        trainer.fit()
+        engine = trainer.engine
+        path = get_family("unet-segmentation").after_evaluation(engine, cfg, grid, data, 1)
+        save_model(Path(out) / "model", engine.module, grid, "unet-segmentation", model_cfg.to_dict())
     if grid.rank != 0:
         return None
     files = sorted(p.name for p in (Path(out) / "model").iterdir())

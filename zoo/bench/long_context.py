@@ -7,7 +7,7 @@
 
 One command: for each cp it spawns cp processes itself (``torch.multiprocessing``, a gloo world on CPU, nccl with one
 GPU per rank on GPUs: cp GPUs needed), so it needs no launcher. Each rank builds the training engine of
-``launch/train.py --cp <cp>`` (``zoo.training.train.build_engine``: the run config of ``--config``, synthetic data,
+``launch/train.py --cp <cp>`` (``zoo.training.engine.build_engine``: the run config of ``--config``, synthetic data,
 ZeRO-0, DeepSpeed averaging gradients over the CP group) and trains each sequence length with its own share of the
 sequence (``local_micro_batch``).
 
@@ -140,8 +140,9 @@ def measure_rank(args, cp: int) -> list[dict]:
 
     from zoo.parallel.topology import initialize_model_parallel
     from zoo.training.config import validate
+    from zoo.training.engine import build_engine, destroy_engine
     from zoo.training.families import get_family
-    from zoo.training.train import build_engine, destroy_engine, local_micro_batch
+    from zoo.training.trainer import local_micro_batch
 
     grid = initialize_model_parallel(cp=cp)
     accel = get_accelerator()

@@ -1,4 +1,4 @@
-"""Fine-tuning: the training run (``zoo.training.train``) started from a model folder, one module per family.
+"""Fine-tuning: the training run (``zoo.training.trainer.Trainer``) started from a model folder, one module per family.
 
 ``gpt.py`` supervised fine-tuning on instruction data (exported as zoo and HF folders), ``bert.py`` sequence
 classification (zoo and ``BertForSequenceClassification`` folders), ``unet.py`` segmentation on image/mask folders.

@@ -3,7 +3,7 @@
     python -m zoo.finetune.bert --init runs/bert-tiny/model --data train.csv --valid-data valid.csv
     torchrun --nproc_per_node 2 -m zoo.finetune.bert --init DIR --data train.jsonl --tp 2 --out runs/cls
 
-The run is launch/train.py's (``zoo.training.train.train``: tp/pp/dp/ZeRO, evaluation, checkpoints, exact resume)
+The run is launch/train.py's (``zoo.training.trainer.Trainer``: tp/pp/dp/ZeRO, evaluation, checkpoints, exact resume)
 with the ``bert-classifier`` family (zoo/training/families/bert.py). What this entry point adds:
 
 - ``--data`` / ``--valid-data``: csv or jsonl with ``text``, optional ``text_pair`` and ``label``; without
@@ -40,6 +40,7 @@ from zoo.package import config_file
 from zoo.training.config import ConfigError, RunConfig, validate
 from zoo.training.run import RunParser, command, layout_line, process_group, say, start_run, train_and_save
 from zoo.training.train import resume_plan
+from zoo.training.trainer import Trainer
 
 DEFAULT_CONFIG = config_file("bert/classify.yaml")
 INIT_FAMILIES = (ENCODER_FAMILY, FAMILY)
@@ -207,8 +208,9 @@ def run(args, cfg: RunConfig, model_cfg, resume, universal: bool, names: list, k
                              f"validation examples", warning)
         if tr.init_from is not None and resume is None:
             tr.init_from = str(prepare_init_folder(cfg, model_cfg, kind, grid, say))
-        train_and_save(cfg, model_cfg, grid, Data(data["train"], data["valid"], cfg.data.tokenizer), resume=resume,
-                       universal=universal)
+        with Trainer(cfg, model_cfg, grid, Data(data["train"], data["valid"], cfg.data.tokenizer), log=say,
+                     resume=resume, universal=universal, progress=True) as trainer:
+            train_and_save(trainer)
     if not (rank0 and tr.save):
         return 0
     write_labels(out / "model", names)

@@ -4,7 +4,7 @@
     torchrun --nproc_per_node 2 launch/finetune.py --init HF_FOLDER_OR_HUB_ID --data train.jsonl \\
         --valid-data valid.jsonl --tp 2 --out runs/sft
 
-The run is launch/train.py's (``zoo.training.train.train``: tp/pp/dp/ZeRO, evaluation, checkpoints, exact resume)
+The run is launch/train.py's (``zoo.training.trainer.Trainer``: tp/pp/dp/ZeRO, evaluation, checkpoints, exact resume)
 with three differences: the weights and the model config come from ``--init`` (a zoo model folder, or a HF folder
 or Hub id converted on the fly), the samples are ``zoo.data.instruct``'s (one example per sample, loss on the
 response tokens only), and the result is written twice: ``<out>/model`` (zoo, layout-free) and ``<out>/hf``
@@ -28,6 +28,7 @@ from zoo.training.config import ConfigError, RunConfig, validate
 from zoo.training.run import (RunParser, command, layout_line, loss_change, process_group, say, start_run,
                               train_and_save)
 from zoo.training.train import resume_plan
+from zoo.training.trainer import Trainer
 
 DEFAULT_CONFIG = config_file("gpt/finetune.yaml")
 GENERATION_CONFIG = "generation_config.json"
@@ -141,8 +142,9 @@ def run(args, cfg: RunConfig, model_cfg, resume, universal: bool, data: Instruct
                              f"{layout_line(cfg, grid)} | global batch "
                              f"{cfg.global_batch_size} x {tr.seq_length} tokens | {tr.precision} | {data.summary()}",
                   warning)
-        result = train_and_save(cfg, model_cfg, grid, Data(data.train, data.valid, cfg.data.tokenizer),
-                                resume=resume, universal=universal, export=True)
+        with Trainer(cfg, model_cfg, grid, Data(data.train, data.valid, cfg.data.tokenizer), log=say, resume=resume,
+                     universal=universal, progress=True) as trainer:
+            result = train_and_save(trainer, export=True)
         if rank0 and result.val_losses:
             say(loss_change(result.val_losses, "validation loss (response tokens)"))
     if not rank0:

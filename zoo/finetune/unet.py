@@ -3,7 +3,7 @@
     python -m zoo.finetune.unet --init runs/unet-segmentation/model --images data/images --masks data/masks
     torchrun --nproc_per_node 2 -m zoo.finetune.unet --init DIR --images I --masks M --tp 2 --out runs/ft
 
-The run is launch/train.py's (``zoo.training.train.train``: tp/pp/dp/ZeRO, evaluation with Dice and IoU,
+The run is launch/train.py's (``zoo.training.trainer.Trainer``: tp/pp/dp/ZeRO, evaluation with Dice and IoU,
 checkpoints, exact resume) on the ``unet-segmentation`` family, with the weights and the model config from ``--init``
 (a zoo model folder or a run folder holding ``model/``) and the samples from ``--images``/``--masks`` (pairs matched
 by file name, ``zoo.data.image_folders``); validation from ``--valid-images``/``--valid-masks`` or a held-out
@@ -26,6 +26,7 @@ from zoo.training.config import ConfigError, RunConfig, validate
 from zoo.training.run import (RunParser, command, layout_line, loss_change, process_group, say, start_run,
                               train_and_save)
 from zoo.training.train import resume_plan
+from zoo.training.trainer import Trainer
 
 DEFAULT_CONFIG = config_file("unet/segmentation.yaml")
 DEFAULT_OUT = "runs/unet-finetune"
@@ -96,7 +97,7 @@ def plan(args, world_size: int) -> tuple:
 def run(args, cfg: RunConfig, model_cfg, resume, universal: bool) -> int:
     from zoo.models.unet import num_parameters
     from zoo.training.families import get_family
-    from zoo.training.train import build_data
+    from zoo.training.trainer import build_data
 
     out, tr = Path(cfg.out), cfg.training
     with process_group(cfg) as grid:
@@ -108,7 +109,8 @@ def run(args, cfg: RunConfig, model_cfg, resume, universal: bool) -> int:
                              f"{layout_line(cfg, grid)} | global batch "
                              f"{cfg.global_batch_size} | {tr.precision} | {len(data.train)} training pairs, "
                              f"{n_valid} validation pairs")
-        result = train_and_save(cfg, model_cfg, grid, data, resume=resume, universal=universal)
+        with Trainer(cfg, model_cfg, grid, data, log=say, resume=resume, universal=universal, progress=True) as trainer:
+            result = train_and_save(trainer)
         if rank0 and result.val_losses:
             say(loss_change(result.val_losses))
     if not (rank0 and tr.save):

@@ -313,14 +313,38 @@ def _validate_diffusion_options(cfg: RunConfig) -> None:
 
 def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = None,
              bf16_supported: bool | None = None):
-    """Check the run for ``world_size`` processes; fill in dp, accumulation and global batch. Returns the model config."""
-    par, tr = cfg.parallel, cfg.training
-    if tr.init_from is not None:
-        model, tokenizer = init_model_config(cfg)
-        if cfg.data.tokenizer is None and tokenizer is not None:
-            cfg.data.tokenizer = tokenizer
-    else:
-        model = cfg.model.build()
+    """Check the run for ``world_size`` processes; fill in dp, accumulation and global batch. Returns the model config.
+
+    The checks run in this order (the first problem found is the one reported): the model, the layout, ZeRO and
+    sequence parallelism, the training numbers, the batch, the training options, then the family's data."""
+    model = _model_config(cfg)
+    _validate_layout(cfg, model, world_size)
+    _validate_zero_and_sequence_parallel(cfg, model)
+    _validate_training_numbers(cfg.training)
+    _fill_batch(cfg)
+    _validate_training_options(cfg, fp16_supported, bf16_supported)
+    validate_data(cfg, model)
+    return model
+
+
+def _model_config(cfg: RunConfig):
+    """The model config: ``training.init_from``'s (its tokenizer too, unless ``data.tokenizer`` names one), else the
+    ``model`` section's."""
+    if cfg.training.init_from is None:
+        return cfg.model.build()
+    model, tokenizer = init_model_config(cfg)
+    if cfg.data.tokenizer is None and tokenizer is not None:
+        cfg.data.tokenizer = tokenizer
+    return model
+
+
+def _has_experts(model) -> bool:
+    return getattr(model, "num_experts", 0) > 0
+
+
+def _validate_layout(cfg: RunConfig, model, world_size: int) -> None:
+    """tp, pp, ep (and ep_spans_tp) and cp against the world size and the model; sets ``cfg.dp``."""
+    par = cfg.parallel
     for name in ("tp", "pp", "ep"):
         v = getattr(par, name)
         if not isinstance(v, int) or v < 1:
@@ -329,7 +353,7 @@ def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = N
         raise ConfigError(f"world size {world_size} is not divisible by tp*pp = {par.tp * par.pp} "
                           f"(tp={par.tp}, pp={par.pp}); launch a multiple of {par.tp * par.pp} processes")
     cfg.dp = world_size // (par.tp * par.pp)
-    moe = getattr(model, "num_experts", 0) > 0
+    moe = _has_experts(model)
     if par.ep > 1 and not moe:
         raise ConfigError(f"parallel.ep {par.ep} needs a mixture-of-experts model (model.num_experts > 0, e.g. "
                           f"model.preset: tiny-moe); use ep 1 for a dense model")
@@ -350,9 +374,14 @@ def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = N
             check_layout(world_size, par.tp, par.pp, par.ep, par.cp, par.ep_spans_tp)  # the true dp: world/(tp cp pp)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+
+def _validate_zero_and_sequence_parallel(cfg: RunConfig, model) -> None:
+    """The ZeRO stage against pipeline and expert parallelism; sequence parallelism against tp."""
+    par, tr = cfg.parallel, cfg.training
     if par.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {par.zero_stage!r}")
-    if moe and par.zero_stage == 3 and par.ep > 1:
+    if _has_experts(model) and par.zero_stage == 3 and par.ep > 1:
         raise ConfigError(f"ZeRO stage 3 does not work with expert parallelism (ep={par.ep}; DeepSpeed refuses its MoE "
                           f"layers under ZeRO-3); use parallel.zero_stage 1 or 2, or ep 1 (ZeRO-3 then partitions "
                           f"the experts like any weight)")
@@ -364,6 +393,10 @@ def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = N
     if par.sequence_parallel and tr.seq_length % par.tp:
         raise ConfigError(f"training.seq_length {tr.seq_length} is not divisible by tp {par.tp}, "
                           f"which sequence parallelism needs")
+
+
+def _validate_training_numbers(tr: TrainingSection) -> None:
+    """The counts that must be positive integers, and the collective timeout."""
     for name in ("steps", "micro_batch_size", "seq_length", "log_interval", "max_skipped_steps"):
         v = getattr(tr, name)
         if not isinstance(v, int) or v < 1:
@@ -373,6 +406,11 @@ def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = N
         raise ConfigError(f"training.collective_timeout_minutes must be a positive number of minutes, got "
                           f"{tr.collective_timeout_minutes!r}")
 
+
+def _fill_batch(cfg: RunConfig) -> None:
+    """``cfg.gradient_accumulation_steps`` and ``cfg.global_batch_size`` (= micro batch x accumulation x dp) from
+    whichever of ``global_batch_size`` and ``gradient_accumulation_steps`` the run sets."""
+    tr = cfg.training
     per_step = tr.micro_batch_size * cfg.dp
     if tr.global_batch_size is None:
         cfg.gradient_accumulation_steps = tr.gradient_accumulation_steps or 1
@@ -388,6 +426,11 @@ def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = N
                               f"global_batch_size or gradient_accumulation_steps")
     cfg.global_batch_size = per_step * cfg.gradient_accumulation_steps
 
+
+def _validate_training_options(cfg: RunConfig, fp16_supported: bool | None, bf16_supported: bool | None) -> None:
+    """Precision (and whether the device has it), fused cross entropy, EMA, the diffusion and shapes options,
+    torch.compile's backend, the evaluation and checkpoint intervals, the loggers."""
+    tr = cfg.training
     if tr.precision not in ("fp32", "bf16", "fp16"):
         raise ConfigError(f"training.precision must be fp32, bf16 or fp16, got {tr.precision!r}")
     if tr.fused_cross_entropy:
@@ -408,14 +451,7 @@ def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = N
             raise ConfigError(f"training.compile_backend {tr.compile_backend!r} is not a torch.compile backend; "
                               f"use one of {sorted(set(backends + ['inductor']))}")
     if tr.precision in ("fp16", "bf16"):
-        from deepspeed.accelerator import get_accelerator
-
-        accel = get_accelerator()
-        supported = {"fp16": fp16_supported if fp16_supported is not None else accel.is_fp16_supported(),
-                     "bf16": bf16_supported if bf16_supported is not None else accel.is_bf16_supported()}
-        if not supported[tr.precision]:
-            raise ConfigError(f"{tr.precision} is not supported on this device ({accel.device_name()}); "
-                              f"use training.precision: {'bf16' if supported['bf16'] else 'fp32'}")
+        _check_precision_supported(tr.precision, fp16_supported, bf16_supported)
     if tr.eval_interval and tr.eval_iters < 1:
         raise ConfigError(f"training.eval_iters must be >= 1 when eval_interval is set, got {tr.eval_iters}")
     for name in ("eval_interval", "save_interval", "keep_last"):
@@ -427,8 +463,18 @@ def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = N
         check_loggers(tr)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    validate_data(cfg, model)
-    return model
+
+
+def _check_precision_supported(precision: str, fp16_supported: bool | None, bf16_supported: bool | None) -> None:
+    """One line when this device lacks ``precision`` (fp16 or bf16); the flags stand in for the device in tests."""
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    supported = {"fp16": fp16_supported if fp16_supported is not None else accel.is_fp16_supported(),
+                 "bf16": bf16_supported if bf16_supported is not None else accel.is_bf16_supported()}
+    if not supported[precision]:
+        raise ConfigError(f"{precision} is not supported on this device ({accel.device_name()}); "
+                          f"use training.precision: {'bf16' if supported['bf16'] else 'fp32'}")
 
 
 def validate_context_parallel(cfg: RunConfig, model, world_size: int) -> None:
@@ -499,7 +545,7 @@ def deepspeed_config(cfg: RunConfig, rank_parameters: int | None = None) -> dict
     """The DeepSpeed JSON for a validated run config; with ``rank_parameters`` (the parameters this rank's module
     holds before ZeRO partitions them), ZeRO's reduction bucket sized by :func:`reduce_bucket_elements`.
 
-    The LR schedule is zoo's own (``zoo.training.train.lr_factor``, handed to ``deepspeed.initialize``): DeepSpeed's
+    The LR schedule is zoo's own (``zoo.training.engine.lr_factor``, handed to ``deepspeed.initialize``): DeepSpeed's
     WarmupCosineLR trains its first step at LR 0.
     """
     from deepspeed.accelerator import get_accelerator

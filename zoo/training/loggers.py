@@ -9,7 +9,7 @@
   config. ``WANDB_MODE=offline`` writes the run under ``OUT/wandb`` with no network (``wandb sync`` uploads it
   later). The run id is kept in ``OUT/wandb/zoo-run-id``, so a resumed run continues the same W&B run.
 
-Only global rank 0 opens loggers (``MetricsWriter`` in zoo.training.train). A logger that cannot start (no network,
+Only global rank 0 opens loggers (``MetricsWriter`` in zoo.training.trainer). A logger that cannot start (no network,
 no W&B login) costs a warning, not the run: metrics.jsonl and the other loggers still get every number.
 """
 

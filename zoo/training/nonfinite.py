@@ -43,7 +43,7 @@ class NonFiniteSteps:
         unguarded = optimizer.step
 
         def step(*args, **kwargs):
-            # With clipping, the engine's clip hook has just computed the norm (zoo.training.train.build_engine).
+            # With clipping, the engine's clip hook has just computed the norm (zoo.training.engine.build_engine).
             norm = ds_compat.global_grad_norm(engine) if grad_clip > 0 else clip_grad_norm_(
                 engine.module.parameters(), math.inf, grid)
             bad = torch.tensor([0.0 if norm is not None and math.isfinite(norm) else 1.0])

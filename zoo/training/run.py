@@ -5,14 +5,15 @@ A command parses its flags (:class:`RunParser`: the layout, steps, intervals, re
 take), then (:func:`command`) plans: it checks everything it can before any process group exists, and a bad
 input is one ``error: ...`` line, exit status 2, nothing written. Then it runs, inside :func:`process_group`:
 announces the run and writes its config (:func:`start_run`), trains and exports the layout-free model
-(:func:`train_and_save`), and reports the validation loss it reached (:func:`loss_change`).
+(:func:`train_and_save` with a ``zoo.training.trainer.Trainer``), and reports the validation loss it reached
+(:func:`loss_change`).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import is_dataclass
 from pathlib import Path
 
@@ -223,38 +224,24 @@ def start_run(cfg: RunConfig, grid, banner: str, warning: str | None = None) -> 
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
-def train_and_save(cfg: RunConfig, model_cfg, grid, data, *, resume=None, universal: bool = False,
-                   export: bool | None = None, keep_metrics: bool = False):
-    """``zoo.training.train.train`` to ``training.steps`` with a progress bar, then (``export``; None: when
-    ``training.save``) the model as ``<out>/model`` (``io.save_model``: every rank's slices, layout-free, with
-    ``data.tokenizer_dir``'s tokenizer). The engine is destroyed; returns the ``RunResult`` (losses, validation
-    losses) without it; with ``keep_metrics``, its ``metrics`` writer still open (the caller closes it)."""
-    from zoo.convert.io import save_model
-    from zoo.training.families import get_family
-    from zoo.training.train import destroy_engine, train
-
-    result = train(cfg, model_cfg, grid, log=say, resume=resume, universal=universal, data=data, keep_engine=True,
-                   progress=True, keep_metrics=keep_metrics)
-    engine, result.engine, ema = result.engine, None, result.ema
-    result.ema = None
-    try:
-        if cfg.training.save if export is None else export:
-            with ema.swapped() if ema is not None else nullcontext():  # the average is the model
-                save_model(Path(cfg.out) / "model", engine.module, grid, cfg.model.family, model_cfg.to_dict(),
-                           tokenizer_dir=data.tokenizer_dir,
-                           extra_files=get_family(cfg.model.family).export_files(cfg, model_cfg))
-            if ema is not None and grid.rank == 0:
-                say(f"{Path(cfg.out) / 'model'} holds the weight average (training.ema_decay "
-                    f"{cfg.training.ema_decay}); the trained weights are in the checkpoints")
-    except BaseException as e:
-        if result.metrics is not None:  # the caller never gets it: close it here (a W&B run finishes)
-            result.metrics.close()
-        if isinstance(e, OSError):  # on every rank alike (io.save_model tells them): one line, exit status 5
-            destroy_engine(engine)
+def train_and_save(trainer, export: bool | None = None):
+    """``trainer.fit()`` (a ``zoo.training.trainer.Trainer`` with its progress bar) to ``training.steps``, then
+    (``export``; None: when ``training.save``) the model as ``<out>/model`` (``Trainer.export``: layout-free, with the
+    data's tokenizer). The engine is destroyed; the trainer's metrics writer stays open until the trainer closes.
+    Returns the ``RunResult`` (losses, validation losses)."""
+    cfg, grid = trainer.cfg, trainer.grid
+    result = trainer.fit()
+    if cfg.training.save if export is None else export:
+        try:
+            trainer.export(Path(cfg.out) / "model")
+        except OSError as e:  # on every rank alike (io.save_model tells them): one line, exit status 5
+            trainer.close_engine()
             raise SaveError(f"{e}; the checkpoints in {Path(cfg.out) / 'checkpoints'} are intact: fix that and run "
                             f"the same command again, it resumes at the last step and exports") from e
-        raise
-    destroy_engine(engine)
+        if trainer.ema is not None and grid.rank == 0:
+            say(f"{Path(cfg.out) / 'model'} holds the weight average (training.ema_decay "
+                f"{cfg.training.ema_decay}); the trained weights are in the checkpoints")
+    trainer.close_engine()
     return result
 
 

@@ -68,12 +68,14 @@ class Family:
         """Convert ``src`` (accepted by ``config_from_init``) into the zoo model folder ``out``."""
         raise ValueError(f"the {self.name} family cannot import {src}")
 
-    def layer_specs(self, config, sequence_parallel: bool) -> list:
-        """The model's DeepSpeed layer specs. A family with mixture-of-experts layers also takes ``ep_group``
-        (the grid's expert-parallel group), which the run passes when ep > 1."""
+    def layer_specs(self, config, par) -> list:
+        """The model's DeepSpeed layer specs, laid out by ``par`` (``zoo.models.gpt.ParallelOptions``: the TP group,
+        sequence parallelism, and where the family has them the EP and CP groups; the run builds one for every family,
+        ``zoo.training.engine.parallel_options``)."""
         raise NotImplementedError
 
-    def loss(self, config):
+    def loss(self, config, par=None):
+        """The loss object for ``layer_specs(config, par)``'s output (``par`` None: one process)."""
         raise NotImplementedError
 
     def build_pipeline(self, config, specs, grid, *, loss_fn, cfg):

@@ -258,11 +258,10 @@ class _BertBase(Family):
         """A zoo folder's config; ``zoo.convert.bert`` also records the folder's head there, which is dropped."""
         return self.config_class.from_dict({k: v for k, v in d.items() if k != "head"})
 
-    def layer_specs(self, config, sequence_parallel):
+    def layer_specs(self, config, par):
         from zoo.models.bert import layer_specs
-        from zoo.models.gpt import ParallelOptions
 
-        return layer_specs(config, ParallelOptions(sequence_parallel=sequence_parallel), head=self.head)
+        return layer_specs(config, par, head=self.head)
 
     def universal_checkpoint_info(self, config):
         return universal_checkpoint_info(config, self.head)
@@ -281,7 +280,7 @@ class BertFamily(_BertBase):
     name = FAMILY
     head = "mlm+nsp"
 
-    def loss(self, config):
+    def loss(self, config, par=None):
         return BertPretrainingLoss(config)
 
     def loss_label(self, cfg) -> str:
@@ -482,7 +481,7 @@ class BertClassifierFamily(_BertBase):
     def units_per_sample(self, cfg) -> int:
         return 1
 
-    def loss(self, config):
+    def loss(self, config, par=None):
         return BertClassifierLoss(config)
 
     def loss_label(self, cfg) -> str:

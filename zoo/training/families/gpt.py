@@ -55,24 +55,21 @@ class GPTFamily(Family):
 
         hf_to_zoo(src, out)
 
-    def layer_specs(self, config, sequence_parallel, ep_group=None, cp_group=None, cp_algorithm="ulysses",
-                    fused_cross_entropy=False, ep_spans_tp=False):
-        """With ``cp_group`` (context parallelism): each layer holds this CP rank's ``[b, s/cp, h]`` (also what a
-        pipeline stage sends), attention by ``cp_algorithm``; with ``ep_group``: each MoE layer holds its share of
-        the experts (``ep_spans_tp``: the EP group takes in the TP ranks); with ``fused_cross_entropy`` the head
-        hands the loss its input and weight (no logits)."""
-        from zoo.models.gpt import ParallelOptions, layer_specs
+    def layer_specs(self, config, par):
+        """``par`` (``zoo.models.gpt.ParallelOptions``) with ``cp_group``: each layer holds this CP rank's
+        ``[b, s/cp, h]`` (also what a pipeline stage sends), attention by ``cp_algorithm``; with ``ep_group``: each MoE
+        layer holds its share of the experts (``ep_spans_tp``: the EP group takes in the TP ranks); with
+        ``fused_cross_entropy`` the head hands the loss its input and weight (no logits)."""
+        from zoo.models.gpt import layer_specs
 
-        return layer_specs(config, ParallelOptions(sequence_parallel=sequence_parallel, ep_group=ep_group,
-                                                   ep_spans_tp=ep_spans_tp, cp_group=cp_group, cp_algorithm=cp_algorithm,
-                                                   fused_cross_entropy=fused_cross_entropy))
+        return layer_specs(config, par)
 
-    def loss(self, config, cp_group=None):
-        """The whole sequence's mean; with ``cp_group`` its gradient is right once averaged over dp x cp, which is
-        what DeepSpeed does (its data-parallel group is dp x cp: zoo.parallel.topology)."""
+    def loss(self, config, par=None):
+        """The whole sequence's mean; with ``par.cp_group`` its gradient is right once averaged over dp x cp, which
+        is what DeepSpeed does (its data-parallel group is dp x cp: zoo.parallel.topology)."""
         from zoo.models.gpt import GPTLoss
 
-        return GPTLoss(config, cp_group=cp_group)
+        return GPTLoss(config, cp_group=None if par is None else par.cp_group)
 
     def training_flops_per_sample(self, cfg, config):
         from zoo.training.metrics import training_flops_per_token

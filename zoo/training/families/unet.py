@@ -253,11 +253,10 @@ class _UNetFamily(Family):
 
         return CHECKPOINTABLE_LAYERS
 
-    def layer_specs(self, config, sequence_parallel):
-        from zoo.models.gpt import ParallelOptions
+    def layer_specs(self, config, par):
         from zoo.models.unet import layer_specs
 
-        return layer_specs(config, ParallelOptions(sequence_parallel=sequence_parallel))
+        return layer_specs(config, par)
 
     def build_pipeline(self, config, specs, grid, *, loss_fn, cfg):
         """Stages balanced by FLOPs (``parallel.partition_method: compute``) or by DeepSpeed's methods; the tuple
@@ -319,7 +318,7 @@ class SegmentationFamily(_UNetFamily):
 
         return SegUNetConfig
 
-    def loss(self, config):
+    def loss(self, config, par=None):
         return SegmentationLossWithStats(config)
 
     def loss_label(self, cfg) -> str:
@@ -500,7 +499,7 @@ class DiffusionFamily(_UNetFamily):
 
         import_unet2d(src, out)
 
-    def loss(self, config):
+    def loss(self, config, par=None):
         from zoo.models.unet import DiffusionLoss
 
         return DiffusionLoss(config)
