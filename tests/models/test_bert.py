@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from zoo.convert.bert import IGNORED, hf_rows
 from zoo.data.masking import SpecialTokens, mask_tokens
-from zoo.training.engine import destroy_engine
 from zoo.models.bert import (
     BertClassificationLoss,
     BertConfig,
@@ -26,6 +26,7 @@ from zoo.models.bert import (
 from zoo.models.gpt import ParallelOptions
 from zoo.models.specs import SpecSequential, build_pipeline
 from zoo.parallel.topology import get_tensor_model_parallel_group, group_rank_and_size
+from zoo.training.engine import destroy_engine
 
 VOCAB = 300  # not a multiple of 128: zoo pads it (384 at tp=1, 512 at tp=2), so the padding path is exercised
 LAYERS = 2

@@ -14,7 +14,6 @@ from tests.parallel.helpers import grid_for
 from zoo.data.shapes import ShapesImages, ShapesSegmentation, stack
 from zoo.models.gpt import ParallelOptions
 from zoo.models.specs import SpecSequential
-from zoo.training.engine import destroy_engine
 from zoo.models.unet import (
     DDPMSchedule,
     DiffusionLoss,
@@ -22,9 +21,9 @@ from zoo.models.unet import (
     FlowMatchSchedule,
     SegmentationLoss,
     SegUNetConfig,
-    flatten_activations,
     ddpm_sample,
     dice_score,
+    flatten_activations,
     flow_sample,
     iou_score,
     layer_flops,
@@ -38,6 +37,7 @@ from zoo.models.unet import (
     unflatten_activations,
     units,
 )
+from zoo.training.engine import destroy_engine
 
 SEED, LR, STEPS, MICRO, ACC = 11, 2e-3, 3, 2, 2
 

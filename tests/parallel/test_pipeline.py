@@ -8,8 +8,8 @@ from deepspeed.runtime.utils import set_random_seed
 from torch import nn
 
 from tests.parallel.helpers import gen, grid_for
-from zoo.training.engine import destroy_engine
 from zoo.parallel.layers import ColumnParallelLinear, RowParallelLinear, init_method_normal
+from zoo.training.engine import destroy_engine
 
 HIDDEN, FFN, OUT, BLOCKS = 8, 16, 4, 4
 MICRO, ACCUM, STEPS, LR, CLIP, BASE_SEED = 4, 2, 3, 1e-2, 0.05, 4321

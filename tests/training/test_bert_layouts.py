@@ -66,8 +66,8 @@ def reference(dist_run):
 
 
 def test_synthetic_batches_hold_padding():
-    from zoo.data.bert_dataset import SyntheticBertPairs
     from zoo.data.batches import micro_batch
+    from zoo.data.bert_dataset import SyntheticBertPairs
 
     ds = SyntheticBertPairs(512, 32, seed=1234)
     (ids, types, mask), (mlm, nsp) = micro_batch(ds, 0, 0, micro_batch_size=2, accumulation=4, dp_rank=0, dp=1)

@@ -1,7 +1,8 @@
 """The core promise: every (tp, pp, dp, ZeRO, SP, recompute) layout trains the same model as one process.
 
-Each run trains 3 steps (the last two use Adam's moments) from the same seed on the same global batch; losses must agree with the single-process
-run within 1e-5 relative at every step (fp32). The runs execute on long-lived gloo pools of 1, 2 and 4 ranks.
+Each run trains 3 steps (the last two use Adam's moments) from the same seed on the same global batch; losses must agree
+with the single-process run within 1e-5 relative at every step (fp32). The runs execute on long-lived gloo pools of 1, 2
+and 4 ranks.
 Every fp32 run is kept (``layout_run``): the communication counts below and the planner's memory model
 (tests/plan) are held against the same runs' metrics.jsonl, so they cost no training of their own.
 """
@@ -23,11 +24,11 @@ COMMON = [f"training.steps={STEPS}", "training.micro_batch_size=2", "training.gl
 
 def train_case(model, overrides, out):
     """Train in this worker with the layout given by overrides; returns the per-step losses."""
+    import torch.distributed as dist
+
     from zoo.parallel.topology import initialize_model_parallel
     from zoo.training.config import load, validate
     from zoo.training.trainer import Trainer
-
-    import torch.distributed as dist
 
     cfg = load(CONFIGS[model], COMMON + list(overrides) + [f"out={out}"])
     model_cfg = validate(cfg, dist.get_world_size())
@@ -48,7 +49,8 @@ LAYOUTS = {  # name: (world size, overrides)
     "tp2-pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
     "tp2-pp2-sp-recompute-zero1": (4, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true",
                                        "parallel.activation_checkpointing=true", "parallel.zero_stage=1"]),
-    "tp2-dp2-zero2-recompute": (4, ["parallel.tp=2", "parallel.zero_stage=2", "parallel.activation_checkpointing=true"]),
+    "tp2-dp2-zero2-recompute": (4, ["parallel.tp=2", "parallel.zero_stage=2",
+                                    "parallel.activation_checkpointing=true"]),
 }
 
 _reference_cache = {}

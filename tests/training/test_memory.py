@@ -72,7 +72,8 @@ def saved_by_graph(loss, parameters) -> int:
         saved = [getattr(node, name) for name in dir(node) if name.startswith("_saved_")]
         saved += list(node.saved_tensors) if hasattr(node, "saved_tensors") else []
         for t in (t for v in saved for t in (v if isinstance(v, (tuple, list)) else [v])):
-            if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and not isinstance(t._base, nn.Parameter):
+            if (isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)
+                    and not isinstance(t._base, nn.Parameter)):
                 storage = t.untyped_storage()
                 if storage.data_ptr() not in params:
                     found[storage.data_ptr()] = storage.nbytes()

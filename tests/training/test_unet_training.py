@@ -98,8 +98,8 @@ def test_tp2_checkpoint_resumes_at_tp1_pp2(dist_run, tmp_path, variant):
 def grid_and_export_case(out):
     """pp=2: the evaluation grid through every stage, then the layout-free export joined into one file."""
     from zoo.convert.io import save_model
-    from zoo.training.families import get_family
     from zoo.finetune.unet import consolidate
+    from zoo.training.families import get_family
     from zoo.training.trainer import Trainer, build_data
 
     cfg, model_cfg, grid = setup_run("seg", ["parallel.pp=2", "training.steps=1"], out)
@@ -220,8 +220,8 @@ def write_folders(root, n, size=32, seed=5):
 
 
 def test_finetune_from_exported_model_on_folders(seg_run, tmp_path, capsys):
-    from zoo.generate.unet import PretrainedUNet
     from zoo.finetune.unet import main
+    from zoo.generate.unet import PretrainedUNet
 
     images, masks = write_folders(tmp_path / "data", 12)
     out = tmp_path / "ft"

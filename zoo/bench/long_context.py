@@ -38,7 +38,6 @@ import statistics
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
 
@@ -126,9 +125,11 @@ def run_config(args, cp: int, seq_length: int):
     from zoo.training.config import load
 
     return load(args.config, [*args.set, f"parallel.cp={cp}", f"parallel.cp_algorithm={args.cp_algorithm}",
-                              f"training.seq_length={seq_length}", f"model.max_position_embeddings={max(args.seq_lengths)}",
+                              f"training.seq_length={seq_length}",
+                              f"model.max_position_embeddings={max(args.seq_lengths)}",
                               f"training.micro_batch_size={args.batch_size}",
-                              f"training.global_batch_size={args.batch_size}", "training.gradient_accumulation_steps=null",
+                              f"training.global_batch_size={args.batch_size}",
+                              "training.gradient_accumulation_steps=null",
                               "data.source=synthetic", "parallel.zero_stage=0", "parallel.tp=1", "parallel.pp=1",
                               f"training.precision={args.precision}", f"training.steps={args.warmup + args.steps + 1}",
                               "training.save=false", "training.eval_interval=0"])
@@ -182,9 +183,10 @@ def measure_rank(args, cp: int) -> list[dict]:
         rows.append({"cp": cp, "rank": grid.cp_rank, "seq_length": s, "local_tokens": args.batch_size * s // cp,
                      "activation_bytes": saved.total, "allocator_peak_bytes": peak,
                      "state_bytes": 16 * sum(p.numel() for p in params),
-                     "step_time_s": statistics.median(times), "tokens_per_s": args.batch_size * s / statistics.median(times)})
+                     "step_time_s": statistics.median(times),
+                     "tokens_per_s": args.batch_size * s / statistics.median(times)})
         destroy_engine(engine)
-        del engine, data
+        engine = data = None  # this length's engine and data go before the next length's are built
     return rows
 
 
@@ -284,7 +286,7 @@ def main(argv=None, world=None) -> int:
                 return 2
 
     print(f"long-context benchmark: {args.config} | {args.cp_algorithm} | batch {args.batch_size} | {args.precision} | "
-          f"cores {cores()} | threads per rank {args.threads or f'cores / cp'}", flush=True)
+          f"cores {cores()} | threads per rank {args.threads or 'cores / cp'}", flush=True)
     rows, fits = [], []
     for cp in args.cp:
         got = world(args, cp)

@@ -35,7 +35,8 @@ import sys
 from pathlib import Path
 
 from zoo.finetune.common import add_finetune_flags, run_config
-from zoo.models.bert import CLASSIFIER_FAMILY as FAMILY, FAMILY as ENCODER_FAMILY
+from zoo.models.bert import CLASSIFIER_FAMILY as FAMILY
+from zoo.models.bert import FAMILY as ENCODER_FAMILY
 from zoo.package import config_file
 from zoo.training.config import ConfigError, RunConfig, validate
 from zoo.training.run import RunParser, command, layout_line, process_group, say, start_run, train_and_save

@@ -9,8 +9,9 @@ with three differences: the weights and the model config come from ``--init`` (a
 or Hub id converted on the fly), the samples are ``zoo.data.instruct``'s (one example per sample, loss on the
 response tokens only), and the result is written twice: ``<out>/model`` (zoo, layout-free) and ``<out>/hf``
 (``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained`` load it), mixture-of-experts models included. Both are
-written also with ``training.save=false``, which turns off the DeepSpeed checkpoints only. Everything about the input is checked
-before any process group exists; each problem is one ``error: ...`` line and exit status 2, and nothing is written.
+written also with ``training.save=false``, which turns off the DeepSpeed checkpoints only. Everything about the input is
+checked before any process group exists; each problem is one ``error: ...`` line and exit status 2, and nothing is
+written.
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ from zoo.finetune.common import add_finetune_flags, run_config
 from zoo.models.gpt import FAMILY
 from zoo.package import config_file
 from zoo.training.config import ConfigError, RunConfig, validate
-from zoo.training.run import (RunParser, command, layout_line, loss_change, process_group, say, start_run,
-                              train_and_save)
+from zoo.training.run import RunParser, command, layout_line, loss_change, process_group, say, start_run, train_and_save
 from zoo.training.train import resume_plan
 from zoo.training.trainer import Trainer
 

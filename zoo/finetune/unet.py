@@ -20,11 +20,11 @@ import sys
 from pathlib import Path
 
 from zoo.finetune.common import add_finetune_flags, run_config
-from zoo.models.unet import DIFFUSION_FAMILY, SEG_FAMILY as FAMILY
+from zoo.models.unet import DIFFUSION_FAMILY
+from zoo.models.unet import SEG_FAMILY as FAMILY
 from zoo.package import config_file
 from zoo.training.config import ConfigError, RunConfig, validate
-from zoo.training.run import (RunParser, command, layout_line, loss_change, process_group, say, start_run,
-                              train_and_save)
+from zoo.training.run import RunParser, command, layout_line, loss_change, process_group, say, start_run, train_and_save
 from zoo.training.train import resume_plan
 from zoo.training.trainer import Trainer
 

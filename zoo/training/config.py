@@ -2,7 +2,8 @@
 
 A run config has four sections (see ``configs/gpt/tiny.yaml``)::
 
-    model:     {family: a name of zoo.models.registry (gpt, bert, ...), preset: tiny, <any field of the family's config>: value}
+    model:     {family: a name of zoo.models.registry (gpt, bert, ...), preset: tiny,
+                <any field of the family's config>: value}
     parallel:  {tp, pp, ep, zero_stage, sequence_parallel, activation_checkpointing, partition_method, cp, cp_algorithm}
     training:  {seed, steps, micro_batch_size, global_batch_size, gradient_accumulation_steps, seq_length,
                 lr, min_lr, warmup_steps, weight_decay, adam_beta1, adam_beta2, adam_eps, grad_clip, precision,
@@ -101,7 +102,8 @@ class TrainingSection:
     # steps. The export records it as diffusers' scheduler_config.json.
     objective: str | None = None
     log_interval: int = 1
-    eval_interval: int = 0  # evaluate on the validation split every N steps (and before step 1, and at the end); 0: never
+    # evaluate on the validation split every N steps (and before step 1, and at the end); 0: never
+    eval_interval: int = 0
     eval_iters: int = 4  # global batches per evaluation (always the same held-out samples)
     save_interval: int = 0  # checkpoint every N steps; the end of the run is always saved; 0: only at the end
     keep_last: int = 0  # keep only the newest N checkpoints; 0: keep all
@@ -225,7 +227,8 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             raw["out"] = value
             continue
         if len(parts) != 2 or parts[0] not in _SECTIONS:
-            raise ConfigError(f"--set key {key!r} must be <section>.<key> with section in {sorted(_SECTIONS)}, or 'out'")
+            raise ConfigError(f"--set key {key!r} must be <section>.<key> with section in {sorted(_SECTIONS)}, "
+                              "or 'out'")
         raw.setdefault(parts[0], {})
         raw[parts[0]] = dict(raw[parts[0]] or {})
         raw[parts[0]][parts[1]] = _coerce(value)
@@ -548,7 +551,6 @@ def deepspeed_config(cfg: RunConfig, rank_parameters: int | None = None) -> dict
     The LR schedule is zoo's own (``zoo.training.engine.lr_factor``, handed to ``deepspeed.initialize``): DeepSpeed's
     WarmupCosineLR trains its first step at LR 0.
     """
-    from deepspeed.accelerator import get_accelerator
 
     tr, par = cfg.training, cfg.parallel
     ds = {

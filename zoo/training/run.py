@@ -21,10 +21,9 @@ import yaml
 
 from zoo.flags import Parser, config_key_hints
 from zoo.training.checkpoint import ResumeError, SaveError
+from zoo.training.config import ConfigError, RunConfig
 from zoo.training.nonfinite import DivergedError
 from zoo.training.signals import CollectiveError
-from zoo.training.config import ConfigError, RunConfig
-
 
 # Other trainers' flags (Megatron-LM's) whose zoo name differs from theirs: what to write instead. A flag named as
 # a run config field (Megatron's --lr, --micro-batch-size, --seq-length, ...) needs no entry (config_flag_hints).
@@ -32,10 +31,12 @@ OTHER_NAMES = {
     "--train-iters": "--steps {value}", "--tensor-model-parallel-size": "--tp {value}",
     "--pipeline-model-parallel-size": "--pp {value}", "--context-parallel-size": "--cp {value}",
     "--expert-model-parallel-size": "--ep {value}", "--zero-stage": "--zero {value}", "--save": "--out {value}",
-    "--num-layers": "--set model.num_hidden_layers={value}", "--ffn-hidden-size": "--set model.intermediate_size={value}",
+    "--num-layers": "--set model.num_hidden_layers={value}",
+    "--ffn-hidden-size": "--set model.intermediate_size={value}",
     "--lr-warmup-iters": "--set training.warmup_steps={value}", "--clip-grad": "--set training.grad_clip={value}",
     "--bf16": "--set training.precision=bf16", "--fp16": "--set training.precision=fp16",
-    "--data-path": "--set data.paths=[{value}]", "--recompute-activations": "--set parallel.activation_checkpointing=true",
+    "--data-path": "--set data.paths=[{value}]",
+    "--recompute-activations": "--set parallel.activation_checkpointing=true",
 }
 
 

@@ -17,18 +17,28 @@ from pathlib import Path
 from zoo.package import config_file
 from zoo.training.config import ConfigError, RunConfig, load, validate
 from zoo.training.families import get_family
-from zoo.training.run import (RunParser, command, init_without_tokenizer, layout_line, loss_change, process_group, say,
-                              start_run, train_and_save)
+from zoo.training.run import (
+    RunParser,
+    command,
+    init_without_tokenizer,
+    layout_line,
+    loss_change,
+    process_group,
+    say,
+    start_run,
+    train_and_save,
+)
 
 DEFAULT_CONFIG = config_file("gpt/main.yaml")
 
 
 def parse_args(argv=None):
     p = RunParser("launch/train.py", "Train a zoo model.",
-                  "With no arguments: the main job (configs/gpt/main.yaml), a 0.88M-parameter GPT-2-style model trained "
-                  "1000 steps on the embedded corpus (Python's own help texts, no download), about 3:20 on 2 idle CPU "
-                  "cores (README, Quickstart).")
-    p.add_argument("--config", help=f"run config YAML (default: {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])})")
+                  "With no arguments: the main job (configs/gpt/main.yaml), a 0.88M-parameter GPT-2-style model "
+                  "trained 1000 steps on the embedded corpus (Python's own help texts, no download), about 3:20 on 2 "
+                  "idle CPU cores (docs/results.md).")
+    p.add_argument("--config",
+                   help=f"run config YAML (default: {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[2])})")
     p.add_run_flags(load_help=": model, optimizer, LR schedule, step, RNG and data position; another tp/pp/dp/ep "
                               "goes through DeepSpeed's universal checkpoint")
     p.add_argument("--out", help="output folder: config.yaml, metrics.jsonl, tb/, loss.png, checkpoints/, model/")
@@ -41,8 +51,8 @@ def parse_args(argv=None):
 
 def config_from_args(args) -> RunConfig:
     overrides = list(args.set)
-    for flag, key in (("tp", "parallel.tp"), ("pp", "parallel.pp"), ("ep", "parallel.ep"), ("ep_spans_tp", "parallel.ep_spans_tp"),
-                      ("cp", "parallel.cp"),
+    for flag, key in (("tp", "parallel.tp"), ("pp", "parallel.pp"), ("ep", "parallel.ep"),
+                      ("ep_spans_tp", "parallel.ep_spans_tp"), ("cp", "parallel.cp"),
                       ("cp_algorithm", "parallel.cp_algorithm"), ("zero", "parallel.zero_stage"),
                       ("compile", "training.compile"), ("fused_cross_entropy", "training.fused_cross_entropy"),
                       ("steps", "training.steps"), ("eval_interval", "training.eval_interval"),

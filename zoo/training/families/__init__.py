@@ -6,9 +6,9 @@ family lives in its own module here and is imported only when a run names it (``
 
 A batch is whatever the family's dataset returns per sample, stacked (``zoo.data.batches``): a tensor of
 ``seq_length + 1`` tokens (GPT: inputs and labels are its shifts), or a pair ``(inputs, labels)`` whose parts are
-tensors or tuples of tensors (``(input_ids, token_type_ids, attention_mask)`` for BERT). The loss object may also keep running sums of extra
-metrics (``stats()``: e.g. correct and total masked tokens), which the loop reduces over all ranks and turns into
-ratios with ``derive_metrics``.
+tensors or tuples of tensors (``(input_ids, token_type_ids, attention_mask)`` for BERT). The loss object may also keep
+running sums of extra metrics (``stats()``: e.g. correct and total masked tokens), which the loop reduces over all ranks
+and turns into ratios with ``derive_metrics``.
 
 The families are found by name in :data:`REGISTRY` (``zoo.models.registry.Registry``): each module below declares
 ``FAMILIES = {family name: Family instance}``, the names being the model files' (``zoo.models.gpt.FAMILY``, ...).
@@ -84,7 +84,8 @@ class Family:
 
         par = cfg.parallel
         return build_pipeline(specs, grid, loss_fn=loss_fn, base_seed=cfg.training.seed,
-                              partition_method=par.partition_method, activation_checkpointing=par.activation_checkpointing,
+                              partition_method=par.partition_method,
+                              activation_checkpointing=par.activation_checkpointing,
                               checkpointable_layers=self.checkpointable_layers)
 
     def validate(self, cfg, config) -> None:

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from zoo.models.unet import DDPM_SAMPLE_STEPS as SAMPLE_STEPS, DIFFUSION_FAMILY, FLOW_SAMPLE_STEPS, SEG_FAMILY
+from zoo.models.unet import DDPM_SAMPLE_STEPS as SAMPLE_STEPS
+from zoo.models.unet import DIFFUSION_FAMILY, FLOW_SAMPLE_STEPS, SEG_FAMILY
 from zoo.training.families import Data, Family, read_run_config
 
 SOURCES = ("embedded", "synthetic", "folders")
