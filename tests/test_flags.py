@@ -153,3 +153,12 @@ def test_a_missing_required_flag_comes_after_an_unknown_one(capsys):
         p.parse_args([])
     assert "required: --data" in capsys.readouterr().err
     assert p.parse_args(["--data", "x"]).data == "x"
+
+
+def test_a_console_script_names_itself(monkeypatch):
+    """Run as ``zoo-train`` (pyproject's console script), the usage and the refusal say zoo-train, not the
+    launch/ file's name."""
+    monkeypatch.setattr("sys.argv", ["/venv/bin/zoo-train"])
+    code, _, err = run("zoo.training.train:main", ["--lr", "1e-2"])
+    line = err.strip().splitlines()[-1]
+    assert code == 2 and line.startswith("error: zoo-train: unknown flag --lr") and "see zoo-train --help" in line

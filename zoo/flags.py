@@ -128,6 +128,9 @@ class Parser(argparse.ArgumentParser):
     the flag's value), called only when a flag is refused."""
 
     def __init__(self, *args, hints: Callable[[], Mapping[str, str]] | None = None, **kwargs):
+        script = os.path.basename(sys.argv[0]) if sys.argv else ""
+        if script.startswith("zoo-") and str(kwargs.get("prog", "")).startswith("launch/"):
+            kwargs["prog"] = script  # run as a console script: usage and refusals name the command typed
         super().__init__(*args, **kwargs)
         self.hints = hints
 
