@@ -95,6 +95,19 @@ def hf_llama(tied=False, heads=4, kv_heads=2, hidden=64, intermediate=176, arch=
     return model_cls(config_cls(**{**cfg, **overrides}))
 
 
+def hf_gemma2(**overrides):
+    """A tiny Gemma 2: head_dim 24 != 64 / 4, a window of 5 (shorter than verify's sequence) on alternate layers,
+    both soft-caps, query_pre_attn_scalar apart from head_dim, tied embeddings; eager attention (HF's reference)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=24, max_position_embeddings=64, rms_norm_eps=1e-6, sliding_window=5,
+               layer_types=["sliding_attention", "full_attention"] * 2, query_pre_attn_scalar=20,
+               attn_logit_softcapping=5.0, final_logit_softcapping=3.0, bos_token_id=EOS, eos_token_id=EOS,
+               pad_token_id=EOS, attn_implementation="eager")
+    return Gemma2ForCausalLM(Gemma2Config(**{**cfg, **overrides}))
+
+
 CASES = {
     "gpt2": lambda: hf_gpt2(),
     "llama-untied": lambda: hf_llama(tied=False),
