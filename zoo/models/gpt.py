@@ -764,9 +764,6 @@ class LMHeadInputs(NamedTuple):
 
 
 def _parallel_logits(hidden, weight, par: ParallelOptions, config: GPTConfig):
-    if par.fused_cross_entropy and config.final_logit_softcapping is not None:
-        raise ValueError("final_logit_softcapping is not supported with the fused LM head + loss; set "
-                         "training.fused_cross_entropy: false")
     if par.sequence_parallel:
         hidden = gather_from_sequence_parallel_region(hidden, par.tp_group, tensor_parallel_output_grad=True)
     else:
@@ -837,6 +834,9 @@ def layer_specs(config: GPTConfig, par: ParallelOptions | None = None) -> list:
     if par.tp_group is None:
         par = replace(par, tp_group=get_tensor_model_parallel_group())
     config.check_layout(group_rank_and_size(par.tp_group)[1], ep=group_rank_and_size(par.ep_group)[1])
+    if par.fused_cross_entropy and config.final_logit_softcapping is not None:  # the fused loss makes raw logits
+        raise ValueError("final_logit_softcapping is not supported with the fused LM head + loss; set "
+                         "training.fused_cross_entropy: false")
     blocks = [LayerSpec(GPTBlock, config, par, i) for i in range(config.num_hidden_layers)]
     if config.tie_word_embeddings:
         return [
