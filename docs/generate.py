@@ -292,6 +292,9 @@ NOTES = {
     "Qwen3MoeForCausalLM": ("q/k RMSNorm per head, any `head_dim`, `norm_topk_prob`, dense layers as Qwen2-MoE",
                             "as Mixtral"),
     "OlmoeForCausalLM": ("q/k RMSNorm over the projection, `norm_topk_prob`; no `clip_qkv`", "as Mixtral"),
+    "Gemma2ForCausalLM": ("sandwich (1 + w) RMSNorms, GeGLU, embeddings times sqrt(h), sliding/full `layer_types`, "
+                          "attention and final logit soft-capping, `query_pre_attn_scalar`, any `head_dim`, tied",
+                          "(tp, pp) = (1,1), (2,1), (1,2); training at tp2+SP, pp2, cp2 (Ulysses, ring), ZeRO-2"),
     "BertModel": ("no head; sentence-embedding (sentence-transformers) folders import; WordPiece files pass "
                   "through", "(tp, pp) = (2,2)"),
     "BertForMaskedLM": ("MLM head tied to the word embeddings", "(tp, pp) = (1,1), (2,1), (1,2), (2,2)"),

@@ -26,6 +26,7 @@ from zoo.convert import io
 from zoo.convert.cli import main
 from zoo.convert.errors import ConvertError
 from zoo.convert.gpt import check_hf, hf_to_zoo
+from zoo.convert.hf.gemma2 import table as gemma2_table
 from zoo.convert.hf.gpt2 import table as gpt2_table
 from zoo.convert.hf.llama import table as llama_table
 from zoo.convert.hub import resolve_hf_folder
@@ -95,6 +96,19 @@ def hf_llama(tied=False, heads=4, kv_heads=2, hidden=64, intermediate=176, arch=
     return model_cls(config_cls(**{**cfg, **overrides}))
 
 
+def hf_gemma2(**overrides):
+    """A tiny Gemma 2: head_dim 24 != 64 / 4, a window of 5 (shorter than verify's sequence) on alternate layers,
+    both soft-caps, query_pre_attn_scalar apart from head_dim, tied embeddings; eager attention (HF's reference)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=24, max_position_embeddings=64, rms_norm_eps=1e-6, sliding_window=5,
+               layer_types=["sliding_attention", "full_attention"] * 2, query_pre_attn_scalar=20,
+               attn_logit_softcapping=5.0, final_logit_softcapping=3.0, bos_token_id=EOS, eos_token_id=EOS,
+               pad_token_id=EOS, attn_implementation="eager")
+    return Gemma2ForCausalLM(Gemma2Config(**{**cfg, **overrides}))
+
+
 CASES = {
     "gpt2": lambda: hf_gpt2(),
     "llama-untied": lambda: hf_llama(tied=False),
@@ -105,9 +119,11 @@ CASES = {
     "qwen2": lambda: hf_llama(arch="qwen2", rope_parameters={"rope_type": "default", "rope_theta": 1e6},
                               use_sliding_window=False),
     "qwen2-tied": lambda: hf_llama(arch="qwen2", tied=True, kv_heads=1, use_sliding_window=False),
+    "gemma2": lambda: hf_gemma2(),
 }
 LAYOUT_CASES = ["gpt2", "llama-untied", "llama-tied"]
 QWEN2_LAYOUTS = [(1, 1), (2, 2)]  # Qwen2 differs from Llama by its biases only: two layouts suffice
+GEMMA2_LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # sandwich norms under SP-free TP, the tied soft-capped head over PP
 
 
 def save_hf(model, folder: Path, seed: int = 0, **kwargs) -> Path:
@@ -149,7 +165,7 @@ def assert_error(capsys, pattern: str, *argv) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama-untied", "llama-tied", "qwen2", "qwen2-tied"])
+@pytest.mark.parametrize("name", ["gpt2", "llama-untied", "llama-tied", "qwen2", "qwen2-tied", "gemma2"])
 def test_tables_cover_the_checkpoint_and_invert(name):
     """Every HF tensor is read once, with the shape the table expects; to_hf(to_zoo(x)) gives x back exactly."""
     from zoo.convert.gpt import gpt_config_from_hf
@@ -157,7 +173,7 @@ def test_tables_cover_the_checkpoint_and_invert(name):
     hf = CASES[name]()
     arch = type(hf).__name__
     cfg = gpt_config_from_hf(arch, hf.config)
-    table = gpt2_table(cfg) if arch == "GPT2LMHeadModel" else llama_table(cfg)
+    table = {"GPT2LMHeadModel": gpt2_table, "Gemma2ForCausalLM": gemma2_table}.get(arch, llama_table)(cfg)
     rows = [r for group in blocks(table, cfg.num_hidden_layers) for r in group]
     state = hf.state_dict()
     if cfg.tie_word_embeddings:
@@ -185,7 +201,8 @@ def verify_cases(pairs, tp, pp):
 def test_verify_every_layout(hf_dirs, zoo_dirs, dist_run):
     """One pool of 4 ranks serves every layout (dp = 4 / (tp x pp) replicas; rank 0's replica is compared)."""
     for tp, pp in LAYOUTS:
-        names = LAYOUT_CASES + (["qwen2"] if (tp, pp) in QWEN2_LAYOUTS else [])
+        names = LAYOUT_CASES + (["qwen2"] if (tp, pp) in QWEN2_LAYOUTS else []) + \
+            (["gemma2"] if (tp, pp) in GEMMA2_LAYOUTS else [])
         pairs = [(str(hf_dirs[n]), str(zoo_dirs[n])) for n in names]
         per_rank = dist_run(4, verify_cases, pairs, tp, pp)
         assert all(r == per_rank[0] for r in per_rank)  # every rank returns rank 0's number
@@ -422,7 +439,8 @@ def edited_copy(folder: Path, dst: Path, **config) -> Path:
 def test_bad_input(hf_dirs, zoo_dirs, tmp_path, capsys):
     out = tmp_path / "out"
     supported = ("supported: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-                 "MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, Bert")
+                 "MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, Gemma2ForCausalLM, "
+                 "Bert")
     t5 = edited_copy(hf_dirs["gpt2"], tmp_path / "t5", architectures=["T5ForConditionalGeneration"], model_type="t5")
     assert_error(capsys, f"architecture T5ForConditionalGeneration is not supported; {supported}", "hf-to-zoo",
                  "--src", t5, "--out", out)

@@ -42,6 +42,7 @@ MODELS = {
     "Qwen2MoeForCausalLM": lambda: _randomized(moe_cases.hf_model("qwen2-moe")),
     "Qwen3MoeForCausalLM": lambda: _randomized(moe_cases.hf_model("qwen3-moe")),
     "OlmoeForCausalLM": lambda: _randomized(moe_cases.hf_model("olmoe")),
+    "Gemma2ForCausalLM": lambda: _randomized(gpt_cases.hf_gemma2()),
     "BertModel": lambda: bert_cases.hf_model("BertModel"),
     "BertForMaskedLM": lambda: bert_cases.hf_model("BertForMaskedLM"),
     "BertForPreTraining": lambda: bert_cases.hf_model("BertForPreTraining"),

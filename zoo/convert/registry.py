@@ -65,6 +65,7 @@ ARCHITECTURES = Registry("HF architecture", (
     "zoo.convert.hf.qwen2_moe",
     "zoo.convert.hf.qwen3_moe",
     "zoo.convert.hf.olmoe",
+    "zoo.convert.hf.gemma2",
     "zoo.convert.hf.bert",
     "zoo.convert.hf.unet2d",
 ), "ARCHITECTURES")

@@ -89,7 +89,7 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
     position_embedding_type: str = "learned"  # "learned" (GPT-2) | "rope" (Llama)
     normalization: str = "layernorm"  # "layernorm" | "rmsnorm"
     norm_eps: float = 1e-5
-    activation: str = "gelu"  # "gelu" (tanh approximation, GPT-2's gelu_new) | "swiglu"
+    activation: str = "gelu"  # "gelu" (tanh approximation, GPT-2's gelu_new) | "swiglu" | "geglu" (tanh GELU gate)
     add_bias: bool = True  # biases in every linear layer
     qkv_bias: bool | None = None  # a bias on the fused QKV projection; None: = add_bias (True, add_bias False: Qwen2)
     tie_word_embeddings: bool = True
@@ -106,6 +106,12 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
     layer_types: list[str] | None = None  # per layer: "full_attention" | "sliding_attention" (Gemma 2, Qwen2)
     attn_logit_softcapping: float | None = None  # Gemma 2: scores = c tanh(scores / c)
     query_pre_attn_scalar: float | None = None  # Gemma 2: scores scaled by query_pre_attn_scalar^-1/2, not d^-1/2
+    # Block and head variants (Gemma 2). Every norm (blocks, final, q/k) scales by (norm_weight_offset + w), its w
+    # initialised to 1 - offset: Gemma's RMSNorm is x (1 + w) with w = 0 at init.
+    norm_weight_offset: float = 0.0
+    norm_placement: str = "pre"  # "pre": x + f(norm(x)) | "sandwich": x + norm(f(norm(x))) (Gemma 2/3)
+    embedding_multiplier: float | None = None  # token embeddings times this, cast to their dtype (Gemma: sqrt(h))
+    final_logit_softcapping: float | None = None  # Gemma 2: logits = c tanh(logits / c)
     # Mixture of experts (zoo.models.moe; HF names). Defaults: a dense model. Which layers: is_moe_layer().
     num_experts: int = 0  # Mixtral: num_local_experts; DeepSeek: n_routed_experts. 0: dense
     num_experts_per_tok: int = 2  # top-k
@@ -147,7 +153,9 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
              f"position_embedding_type must be 'learned' or 'rope', got {self.position_embedding_type!r}")
         need(self.normalization in ("layernorm", "rmsnorm"),
              f"normalization must be 'layernorm' or 'rmsnorm', got {self.normalization!r}")
-        need(self.activation in ("gelu", "swiglu"), f"activation must be 'gelu' or 'swiglu', got {self.activation!r}")
+        need(self.activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        need(self.norm_placement in NORM_PLACEMENTS,
+             f"norm_placement must be one of {NORM_PLACEMENTS}, got {self.norm_placement!r}")
         need(self.head_dim is not None,
              f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads} "
              f"(or set head_dim)")
@@ -176,7 +184,8 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
             need(not bad, f"layer_types holds unknown type(s) {bad}; known: {list(LAYER_TYPES)}")
             need(w is not None or "sliding_attention" not in types,
                  "layer_types has 'sliding_attention' layers but sliding_window is null; set sliding_window")
-        for name in ("attn_logit_softcapping", "query_pre_attn_scalar"):
+        for name in ("attn_logit_softcapping", "query_pre_attn_scalar", "final_logit_softcapping",
+                     "embedding_multiplier"):
             value = getattr(self, name)
             need(value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0),
                  f"{name} must be a positive number or null, got {value!r}")
@@ -198,6 +207,7 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
         need(self.topk_group * (E // self.n_group) >= k,
              f"topk_group {self.topk_group} groups of {E // self.n_group} experts hold fewer than "
              f"num_experts_per_tok {k}")
+        need(self.activation != "geglu", "MoE layers have no GeGLU experts; use activation 'swiglu' or 'gelu'")
         need(not self.add_bias, "MoE layers have no biases (as in every HF MoE model): set add_bias=False "
              "(qkv_bias may stay)")
         need(self.num_shared_experts >= 0, f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
@@ -218,6 +228,11 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
     def attention_scale(self) -> float | None:
         """The scores' scale: ``query_pre_attn_scalar^-1/2``, or None (the kernels' 1/sqrt(head_dim))."""
         return None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5
+
+    @property
+    def gated_mlp(self) -> bool:
+        """Whether the MLP is gated (SwiGLU, GeGLU): fc1 holds gate and up, fused, so three weight matrices."""
+        return self.activation in GATED_ACTIVATIONS
 
     @property
     def use_qkv_bias(self) -> bool:
@@ -258,14 +273,15 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
         d, nq, nkv = self.head_dim, self.num_attention_heads, self.num_key_value_heads
         bias = self.add_bias
         norm = h * (2 if self.normalization == "layernorm" else 1)
+        block_norms = 4 if self.norm_placement == "sandwich" else 2
         attn = h * (nq + 2 * nkv) * d + nq * d * h + self.use_qkv_bias * (nq + 2 * nkv) * d + bias * h
         attn += {None: 0, "head": 2 * d, "full": (nq + nkv) * d}[self.qk_norm]
-        per_h = 3 if self.activation == "swiglu" else 2  # weights per (hidden, intermediate) pair
-        mlp = per_h * h * f + bias * ((2 * f if self.activation == "swiglu" else f) + h)
+        per_h = 3 if self.gated_mlp else 2  # weights per (hidden, intermediate) pair
+        mlp = per_h * h * f + bias * ((2 * f if self.gated_mlp else f) + h)
         routed = self.num_experts_per_tok if active else self.num_experts
         moe = (self.num_experts * h + routed * per_h * h * self.expert_intermediate_size
                + per_h * h * self.shared_intermediate_size + self.shared_expert_gate * h)
-        total = sum(attn + 2 * norm + (moe if self.is_moe_layer(i) else mlp) for i in range(L)) + norm
+        total = sum(attn + block_norms * norm + (moe if self.is_moe_layer(i) else mlp) for i in range(L)) + norm
         if include_embeddings:
             total += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
             if self.position_embedding_type == "learned":
@@ -295,6 +311,10 @@ _ADDED_FIELDS = ("qkv_bias", "qk_norm", "num_experts", "num_experts_per_tok", "m
                  "routed_scaling_factor", "n_group", "topk_group", "moe_expert_bias", "expert_bias_update_rate",
                  "router_aux_loss_coef", "router_aux_loss_type", "router_z_loss_coef", "capacity_factor")
 _ADDED_FIELDS += ("sliding_window", "layer_types", "attn_logit_softcapping", "query_pre_attn_scalar")
+_ADDED_FIELDS += ("norm_weight_offset", "norm_placement", "embedding_multiplier", "final_logit_softcapping")
+ACTIVATIONS = ("gelu", "swiglu", "geglu")
+GATED_ACTIVATIONS = {"swiglu": F.silu, "geglu": functools.partial(F.gelu, approximate="tanh")}  # the gate's function
+NORM_PLACEMENTS = ("pre", "sandwich")
 LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's names
 
 _LLAMA = dict(position_embedding_type="rope", normalization="rmsnorm", activation="swiglu", add_bias=False)
@@ -383,8 +403,8 @@ class Norm(nn.Module):
     def __init__(self, config: GPTConfig, par: ParallelOptions):
         super().__init__()
         h = config.hidden_size
-        self.kind, self.eps = config.normalization, config.norm_eps
-        self.weight = nn.Parameter(torch.ones(h))
+        self.kind, self.eps, self.offset = config.normalization, config.norm_eps, config.norm_weight_offset
+        self.weight = nn.Parameter(torch.full((h,), 1.0 - self.offset))  # the scale offset + w starts at 1
         self.bias = nn.Parameter(torch.zeros(h)) if self.kind == "layernorm" else None
         self.sequence_parallel, self.tp_group = par.sequence_parallel, par.tp_group
         for p in self.parameters():
@@ -396,10 +416,18 @@ class Norm(nn.Module):
             w = copy_to_tensor_model_parallel_region(w, self.tp_group)
             b = None if b is None else copy_to_tensor_model_parallel_region(b, self.tp_group)
         if self.kind == "layernorm":
-            return F.layer_norm(x, (x.shape[-1],), w, b, self.eps)
+            return F.layer_norm(x, (x.shape[-1],), w if not self.offset else w + self.offset, b, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return w * x32.to(x.dtype)
+        return _scale(x32, w, self.offset, x.dtype)
+
+
+def _scale(x32, w, offset: float, dtype):
+    """The normalised fp32 ``x32`` times its weight, as HF does: Llama casts x to the dtype, then scales;
+    Gemma (an offset) scales in fp32 by (offset + w), then casts."""
+    if not offset:
+        return w * x32.to(dtype)
+    return (x32 * (offset + w.float())).to(dtype)
 
 
 class QKNorm(nn.Module):
@@ -413,9 +441,11 @@ class QKNorm(nn.Module):
     def __init__(self, config: GPTConfig, num_heads: int, tp_group):
         super().__init__()
         self.kind, self.eps, self.num_heads = config.qk_norm, config.norm_eps, num_heads
+        self.offset = config.norm_weight_offset
         self.tp_group, self.tp = tp_group, group_rank_and_size(tp_group)[1]
         d = config.head_dim
-        self.weight = nn.Parameter(torch.ones(d if self.kind == "head" else num_heads // self.tp * d))
+        self.weight = nn.Parameter(torch.full((d if self.kind == "head" else num_heads // self.tp * d,),
+                                              1.0 - self.offset))
         if self.kind == "full":
             set_tensor_model_parallel_attributes(self.weight, 0)
 
@@ -430,7 +460,7 @@ class QKNorm(nn.Module):
                 square_sum = all_reduce_tensor_model_parallel_region(square_sum, self.tp_group)
             mean_square = square_sum / (self.num_heads * x.shape[-1])
             w = self.weight.view(x.shape[1], 1, x.shape[-1])  # [n_local, 1, d]
-        return w * (x32 * torch.rsqrt(mean_square + self.eps)).to(x.dtype)
+        return _scale(x32 * torch.rsqrt(mean_square + self.eps), w, self.offset, x.dtype)
 
 
 def rope_inv_freq(config: GPTConfig) -> torch.Tensor:
@@ -639,15 +669,15 @@ class GPTAttention(nn.Module):
 
 
 class GPTMLP(nn.Module):
-    """GELU: fc2(gelu(fc1 x)). SwiGLU: fc2(silu(gate x) * up x), gate and up fused in one column-parallel weight
-    ``[gate; up]`` split with stride 2, so each rank holds matching halves of both."""
+    """GELU: fc2(gelu(fc1 x)). SwiGLU: fc2(silu(gate x) * up x), GeGLU the same with tanh-GELU for silu; gate and
+    up fused in one column-parallel weight ``[gate; up]`` split with stride 2, so each rank holds matching halves."""
 
     def __init__(self, config: GPTConfig, par: ParallelOptions, output_init):
         super().__init__()
         h, f = config.hidden_size, config.intermediate_size
-        self.swiglu = config.activation == "swiglu"
-        self.fc1 = ColumnParallelLinear(h, 2 * f if self.swiglu else f, bias=config.add_bias,
-                                        stride=2 if self.swiglu else 1,
+        self.gate_fn = GATED_ACTIVATIONS.get(config.activation)  # None: plain GELU
+        gated = self.gate_fn is not None
+        self.fc1 = ColumnParallelLinear(h, 2 * f if gated else f, bias=config.add_bias, stride=2 if gated else 1,
                                         init_method=init_method_normal(config.initializer_range),
                                         sequence_parallel=par.sequence_parallel, tp_group=par.tp_group)
         self.fc2 = RowParallelLinear(f, h, bias=config.add_bias, input_is_parallel=True, init_method=output_init,
@@ -655,9 +685,9 @@ class GPTMLP(nn.Module):
 
     def forward(self, x):
         h = self.fc1(x)
-        if self.swiglu:
+        if self.gate_fn is not None:
             gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = self.gate_fn(gate) * up
         else:
             h = F.gelu(h, approximate="tanh")
         return self.fc2(h)
@@ -710,6 +740,8 @@ class GPTEmbedding(nn.Module):
         elif self.par.sequence_parallel or cp > 1:
             raise ValueError("position_ids are for generation, which runs without sequence or context parallelism")
         x = self.word_embeddings(ids)  # [b, s, h]
+        if self.config.embedding_multiplier is not None:  # as HF's Gemma: the factor rounded to x's dtype
+            x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype, device=x.device)
         if self.position_embeddings is not None:
             x = x + self.position_embeddings(position_ids)  # [s, h] or [b, s, h]
         if self.par.sequence_parallel:
@@ -719,7 +751,7 @@ class GPTEmbedding(nn.Module):
 
 def lm_logits(embedding: GPTEmbedding, hidden):
     """Tied LM head: hidden ``[b, s(/tp), h]`` -> vocab-sharded logits ``[b, s, V/tp]`` with the input embedding."""
-    return _parallel_logits(hidden, embedding.word_embeddings.weight, embedding.par)
+    return _parallel_logits(hidden, embedding.word_embeddings.weight, embedding.par, embedding.config)
 
 
 class LMHeadInputs(NamedTuple):
@@ -731,14 +763,20 @@ class LMHeadInputs(NamedTuple):
     weight: torch.Tensor
 
 
-def _parallel_logits(hidden, weight, par: ParallelOptions):
+def _parallel_logits(hidden, weight, par: ParallelOptions, config: GPTConfig):
     if par.sequence_parallel:
         hidden = gather_from_sequence_parallel_region(hidden, par.tp_group, tensor_parallel_output_grad=True)
     else:
         hidden = copy_to_tensor_model_parallel_region(hidden, par.tp_group)
     if par.fused_cross_entropy:
         return LMHeadInputs(hidden, weight)
-    return F.linear(hidden, weight)
+    return softcap_logits(F.linear(hidden, weight), config)
+
+
+def softcap_logits(logits, config: GPTConfig):
+    """``final_logit_softcapping`` c: logits = c tanh(logits / c), elementwise, so a vocab shard caps its own."""
+    c = config.final_logit_softcapping
+    return logits if c is None else c * torch.tanh(logits / c)
 
 
 class GPTLMHead(nn.Module):
@@ -747,7 +785,7 @@ class GPTLMHead(nn.Module):
     def __init__(self, config: GPTConfig, par: ParallelOptions):
         super().__init__()
         tp = group_rank_and_size(par.tp_group)[1]
-        self.par = par
+        self.par, self.config = par, config
         self.linear = ColumnParallelLinear(config.hidden_size, config.padded_vocab_size(tp), bias=False,
                                            init_method=init_method_normal(config.initializer_range),
                                            sequence_parallel=par.sequence_parallel, tp_group=par.tp_group)
@@ -755,13 +793,15 @@ class GPTLMHead(nn.Module):
 
     def forward(self, hidden):
         if self.par.fused_cross_entropy:
-            return _parallel_logits(hidden, self.linear.weight, self.par)
-        return self.linear(hidden)
+            return _parallel_logits(hidden, self.linear.weight, self.par, self.config)
+        return softcap_logits(self.linear(hidden), self.config)
 
 
 class GPTBlock(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)); ``[b, s(/tp), h]`` in and out. The
-    mlp is a mixture of experts (:class:`zoo.models.moe.GPTMoE`) where ``config.is_moe_layer(layer_idx)``."""
+    mlp is a mixture of experts (:class:`zoo.models.moe.GPTMoE`) where ``config.is_moe_layer(layer_idx)``.
+    ``norm_placement="sandwich"`` (Gemma 2) norms each sublayer's output too, before the residual add
+    (``attention_output_norm``, ``mlp_output_norm``; with SP on the sequence shard, as the other norms)."""
 
     def __init__(self, config: GPTConfig, par: ParallelOptions, layer_idx: int):
         super().__init__()
@@ -774,11 +814,14 @@ class GPTBlock(nn.Module):
             self.mlp = GPTMoE(config, par, output_init)
         else:
             self.mlp = GPTMLP(config, par, output_init)
+        sandwich = config.norm_placement == "sandwich"
+        self.attention_output_norm = Norm(config, par) if sandwich else nn.Identity()
+        self.mlp_output_norm = Norm(config, par) if sandwich else nn.Identity()
 
     def forward(self, x):
         p, sp = self.config.hidden_dropout, self.par.sequence_parallel
-        x = x + _dropout(self.attention(self.input_norm(x)), p, self.training, sp)
-        return x + _dropout(self.mlp(self.post_attention_norm(x)), p, self.training, sp)
+        x = x + _dropout(self.attention_output_norm(self.attention(self.input_norm(x))), p, self.training, sp)
+        return x + _dropout(self.mlp_output_norm(self.mlp(self.post_attention_norm(x))), p, self.training, sp)
 
 
 class GPTFinalNorm(Norm):
@@ -791,6 +834,9 @@ def layer_specs(config: GPTConfig, par: ParallelOptions | None = None) -> list:
     if par.tp_group is None:
         par = replace(par, tp_group=get_tensor_model_parallel_group())
     config.check_layout(group_rank_and_size(par.tp_group)[1], ep=group_rank_and_size(par.ep_group)[1])
+    if par.fused_cross_entropy and config.final_logit_softcapping is not None:  # the fused loss makes raw logits
+        raise ValueError("final_logit_softcapping is not supported with the fused LM head + loss; set "
+                         "training.fused_cross_entropy: false")
     blocks = [LayerSpec(GPTBlock, config, par, i) for i in range(config.num_hidden_layers)]
     if config.tie_word_embeddings:
         return [

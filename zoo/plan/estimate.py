@@ -102,7 +102,7 @@ def block_tensors(c, i: int, tp: int, ep: int = 1) -> tuple[list[int], list[int]
     dense = [qkv * h // tp] + [qkv // tp] * c.use_qkv_bias + [nq * d * h // tp] + [h] * c.add_bias
     dense += {None: [], "head": [d, d], "full": [nq * d // tp, nkv * d // tp]}[c.qk_norm]
     dense += 2 * _norm_tensors(c)
-    swiglu = c.activation == "swiglu"
+    swiglu = c.gated_mlp
     expert = []
     if c.is_moe_layer(i):
         fe, fs, E = c.expert_intermediate_size, c.shared_intermediate_size, c.num_experts
@@ -290,11 +290,11 @@ def block_activation_bytes(c, i: int, tp: int, sp: bool, dtype: str, tokens: int
         attn += 2 * h * g
     if c.is_moe_layer(i):  # tokens split over TP (by SP or by the layer itself): per token of the micro-batch / tp
         k, fe, fs, E = c.num_experts_per_tok, c.expert_intermediate_size, c.shared_intermediate_size, c.num_experts
-        inner = 4 if c.activation == "swiglu" else 2
+        inner = 4 if c.gated_mlp else 2
         mlp = (4 * h + 3 * 4 * E + k * (a * h + inner * a * fe + 8) + (a * h + inner * a * fs if fs else 0)) / tp
     else:
         f = c.intermediate_size // tp
-        mlp = a * h * (1 if sp else g) + (4 if c.activation == "swiglu" else 2) * a * f
+        mlp = a * h * (1 if sp else g) + (4 if c.gated_mlp else 2) * a * f
     return tokens * (2 * norm + attn + mlp)
 
 
@@ -380,7 +380,7 @@ def block_flops(c, i: int, seq: int) -> tuple[float, float]:
     """Forward ``(GEMM, attention core)`` FLOPs per token of block i, as ``zoo.training.metrics`` counts them
     (causal attention counted in full); the attention kernel executes half of its count (causal)."""
     h, d, nq, nkv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
-    k = 3 if c.activation == "swiglu" else 2
+    k = 3 if c.gated_mlp else 2
     gemm = 2 * h * (nq + 2 * nkv) * d + 2 * nq * d * h
     if c.is_moe_layer(i):
         gemm += 2 * h * c.num_experts + 2 * h * k * (c.num_experts_per_tok * c.expert_intermediate_size
@@ -406,7 +406,7 @@ def elementwise_bytes(c, i: int, tp: int, sp: bool, dtype: str) -> float:
     h, d, nq, nkv, g = _dims(c, tp, sp)
     f = (c.num_experts_per_tok * c.expert_intermediate_size + c.shared_intermediate_size) / tp \
         if c.is_moe_layer(i) else c.intermediate_size / tp
-    act = 3 * f if c.activation == "swiglu" else 2 * f
+    act = 3 * f if c.gated_mlp else 2 * f
     rope = 2 * (nq + nkv) * d if c.position_embedding_type == "rope" else 0
     return a * ((2 * 2 + 2 * 3) * h * g + act + rope)
 

@@ -237,7 +237,7 @@ def universal_checkpoint_info(model_cfg) -> dict:
         "vocabulary_parameter_patterns": vocab,
         "original_vocab_size": model_cfg.vocab_size,
     }
-    if model_cfg.activation == "swiglu" and dense:
+    if model_cfg.gated_mlp and dense:
         info["parameter_with_2_sub_params_cat_dim_0"] = [r"\d+\.mlp\.fc1\.weight"] + \
             ([r"\d+\.mlp\.fc1\.bias"] if model_cfg.add_bias else [])
     if model_cfg.tie_word_embeddings:

@@ -33,7 +33,7 @@ PEAK_TFLOPS_16BIT = {"H200": 989.5, "H100": 989.5, "H800": 989.5, "A100": 312.0,
 def forward_flops_per_token(config, seq_length: int) -> float:
     h, L, s = config.hidden_size, config.num_hidden_layers, seq_length
     d, nq, nkv, f = config.head_dim, config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
-    mlp_matrices = 3 if config.activation == "swiglu" else 2
+    mlp_matrices = 3 if config.gated_mlp else 2
     attention = 2 * h * (nq + 2 * nkv) * d + 2 * nq * d * h + 4 * s * nq * d
     mlp = 2 * h * f * mlp_matrices
     total = 0
