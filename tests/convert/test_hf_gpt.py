@@ -82,10 +82,12 @@ def hf_llama(tied=False, heads=4, kv_heads=2, hidden=64, intermediate=176, arch=
         MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     config_cls, model_cls = {"mistral": (MistralConfig, MistralForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                             "llama": (LlamaConfig, LlamaForCausalLM)}[arch]
+                             "qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[arch]
     rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8, "rope_theta": 5000.0} if not tied else \
         {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}

@@ -14,7 +14,7 @@ import torch
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from tests.models.test_gpt_vs_transformers import VOCAB, load_from_hf, max_logit_diff, randomize_, token_ids
-from zoo.convert.hf_gpt import llama_table
+from zoo.convert.hf.llama import table as llama_table
 from zoo.models.generate import Generator
 from zoo.models.gpt import GPTConfig, layer_specs
 from zoo.models.specs import SpecSequential
