@@ -58,8 +58,9 @@ MODELS = {
     "BertForSequenceClassification": lambda: bert_cases.hf_model("BertForSequenceClassification"),
     "UNet2DModel": lambda: unet_cases.random_unet2d(),
 }
-# Further cases of a class, "<class>:<what>": without the window (Mistral exports back as Llama), tied.
+# Further cases of a class, "<class>:<what>": head_dim apart, without the window (Mistral exports back as Llama), tied.
 VARIANTS = {
+    "LlamaForCausalLM:head-dim": lambda: _randomized(gpt_cases.hf_llama(head_dim=24)),
     "MistralForCausalLM:no-window": lambda: _randomized(gpt_cases.hf_llama(arch="mistral", sliding_window=None)),
     "Qwen2ForCausalLM:no-window": lambda: _randomized(gpt_cases.hf_llama(arch="qwen2", use_sliding_window=False)),
     "Qwen3ForCausalLM:tied-no-window": lambda: _randomized(gpt_cases.hf_llama(arch="qwen3", tied=True, kv_heads=1,
