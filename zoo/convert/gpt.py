@@ -110,8 +110,8 @@ def gpt_config_from_hf(arch: str, c) -> GPTConfig:
 
 
 def export_architecture(cfg: GPTConfig) -> Architecture:
-    """The HF architecture computing what this zoo GPT computes (Mistral imports come back as Llama), or a one-line
-    refusal naming what each class would need."""
+    """The HF architecture computing what this zoo GPT computes (windowless Mistral imports come back as Llama), or a
+    one-line refusal naming what each class would need."""
     for arch in of_family(FAMILY):
         if arch.exports is not None and arch.exports(cfg):
             if arch.check_export is not None:

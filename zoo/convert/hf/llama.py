@@ -1,12 +1,12 @@
 """LlamaForCausalLM <-> zoo's GPT (RoPE, RMSNorm, SwiGLU, no biases, grouped-query attention).
 
 The pieces here are the base other architectures read as differences from: Mistral (``mistral.py``), Qwen2
-(``qwen2.py``, q/k/v biases) and the mixture-of-experts GPTs (``moe.py``, their attention and dense rows). RoPE is
-rotate-half in both HF and zoo, so the q/k rows need no permutation within a head (unlike Meta's original
-checkpoints); q, k, v are fused per key-value group, gate and up into zoo's SwiGLU fc1.
+(``qwen2.py``, q/k/v biases), Qwen3 (``qwen3.py``, q/k norm) and the mixture-of-experts GPTs (``moe.py``, their
+attention and dense rows). RoPE is rotate-half in both HF and zoo, so the q/k rows need no permutation within a head
+(unlike Meta's original checkpoints); q, k, v are fused per key-value group, gate and up into zoo's SwiGLU fc1.
 Refused, one line each: attention/MLP biases, a RoPE type other than default/linear/llama3, layer types zoo does
-not have. Sliding windows are Mistral's and Qwen2's (``window_every_layer``, ``window_by_layer_types`` here, the
-mapping both ways); any ``head_dim`` is read and written.
+not have. The sliding-window mappings both ways (Mistral's on every layer, Qwen2's and Qwen3's by ``layer_types``)
+are here; any ``head_dim`` is read and written.
 Notation: h hidden, f intermediate, V vocabulary (unpadded), L blocks, nq/nkv query/key-value heads, d head dim.
 """
 
