@@ -23,8 +23,10 @@ from tests.convert import test_hf_bert as bert_cases
 from tests.convert import test_hf_gpt as gpt_cases
 from tests.convert import test_hf_moe as moe_cases
 from zoo.convert.cli import main
+from zoo.convert.errors import ConvertError
+from zoo.convert.gpt import export_architecture
 from zoo.convert.registry import ARCHITECTURES, FAMILIES, hf_family
-from zoo.models.gpt import FAMILY
+from zoo.models.gpt import FAMILY, GPTConfig
 
 TOL = 1e-4
 WINDOW = 5  # < verify's default --seq 16
@@ -128,3 +130,35 @@ def test_import_verify_export(case, tmp_path, capsys, monkeypatch):
         assert exported[key].dtype == t.dtype and torch.equal(exported[key], t), key
     if ARCHITECTURES[name].family == FAMILY:
         same_causal_lm(src, out)
+
+
+MIXED = ["sliding_attention", "full_attention"] * 2
+
+
+@pytest.mark.parametrize("fields,arch", [
+    ({}, "LlamaForCausalLM"),
+    ({"head_dim": 24}, "LlamaForCausalLM"),
+    ({"sliding_window": 8}, "MistralForCausalLM"),
+    ({"sliding_window": 8, "layer_types": ["sliding_attention"] * 4}, "MistralForCausalLM"),
+    ({"qkv_bias": True}, "Qwen2ForCausalLM"),
+    ({"qkv_bias": True, "sliding_window": 8, "layer_types": MIXED}, "Qwen2ForCausalLM"),
+    ({"qk_norm": "head"}, "Qwen3ForCausalLM"),
+    ({"qk_norm": "head", "head_dim": 24, "sliding_window": 8, "layer_types": MIXED}, "Qwen3ForCausalLM"),
+    ({"qk_norm": "head", "num_experts": 4, "add_bias": False}, "Qwen3MoeForCausalLM"),
+    # no class holds these: refused in one line naming the fields
+    ({"sliding_window": 8, "layer_types": MIXED}, None),
+    ({"qkv_bias": True, "head_dim": 24}, None),
+    ({"qk_norm": "full"}, None),
+    ({"attn_logit_softcapping": 30.0}, None),
+])
+def test_export_class_by_features(fields, arch):
+    """A zoo GPT exports as the first registered class whose ``exports`` takes it: windows go to Mistral (every
+    layer) or Qwen2 / Qwen3 (any layers), per-head q/k norm to Qwen3, and Llama keeps only the plain ones."""
+    cfg = GPTConfig.from_preset("tiny-llama", **fields)
+    if arch is not None:
+        assert export_architecture(cfg).name == arch
+        return
+    with pytest.raises(ConvertError, match="matches no HF architecture") as err:
+        export_architecture(cfg)
+    message = str(err.value)
+    assert "\n" not in message and f"qk_norm={cfg.qk_norm}, sliding_window={cfg.sliding_window}" in message

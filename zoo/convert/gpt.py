@@ -119,8 +119,9 @@ def export_architecture(cfg: GPTConfig) -> Architecture:
             return arch
     needs = [a.export_needs for a in of_family(FAMILY) if a.export_needs]
     raise ConvertError(f"this zoo GPT (position {cfg.position_embedding_type}, {cfg.normalization}, {cfg.activation}, "
-                       f"add_bias={cfg.add_bias}, qkv_bias={cfg.use_qkv_bias}) matches no HF architecture: "
-                       f"{'; '.join(needs)}")
+                       f"add_bias={cfg.add_bias}, qkv_bias={cfg.use_qkv_bias}, qk_norm={cfg.qk_norm}, "
+                       f"sliding_window={cfg.sliding_window}, layer_types={cfg.layer_types}) matches no HF "
+                       f"architecture: {'; '.join(needs)}")
 
 
 def read_zoo_gpt(folder, refusal: str) -> GPTConfig:
