@@ -279,12 +279,17 @@ def config_reference() -> str:
 # registry of HF architectures (zoo/convert/registry.py) carries it; then architecture_rows() reads the registry.
 NOTES = {
     "GPT2LMHeadModel": ("Conv1D transposes, fused c_attn split, tied head", "(tp, pp) = (1,1), (2,1), (1,2), (2,2)"),
-    "LlamaForCausalLM": ("any number of kv heads (QKV regrouped per kv group), tied or untied, rope_theta, "
-                         "linear/llama3 RoPE scaling",
+    "LlamaForCausalLM": ("any number of kv heads (QKV regrouped per kv group), any `head_dim`, tied or untied, "
+                         "rope_theta, linear/llama3 RoPE scaling",
                          "(tp, pp) = (1,1), (2,1), (1,2), (2,2); tp 3 (9 q / 3 kv heads)"),
-    "MistralForCausalLM": ("without a sliding window shorter than the context (exported back as Llama)",
-                           "round trip and one process"),
-    "Qwen2ForCausalLM": ("q/k/v biases (`qkv_bias`), output and MLP without", "(tp, pp) = (1,1), (2,2)"),
+    "MistralForCausalLM": ("`sliding_window` on every layer (zoo's `sliding_window`); without a window shorter than "
+                           "the context it is Llama and exported back as Llama",
+                           "windowed: (tp, pp) = (1,1), (2,1), (1,2); without: (2,2)"),
+    "Qwen2ForCausalLM": ("q/k/v biases (`qkv_bias`), output and MLP without; windows on the layers `layer_types` "
+                         "marks (derived from `max_window_layers`), written back with `layer_types`",
+                         "(tp, pp) = (1,1), (2,2); windowed: (1,1)"),
+    "Qwen3ForCausalLM": ("q/k RMSNorm per head (`qk_norm: head`), any `head_dim`, windows as Qwen2; no "
+                         "`attention_bias`", "(tp, pp) = (1,1), (2,1), (1,2); greedy generation as transformers"),
     "MixtralForCausalLM": ("every layer sparse, softmax top-k renormalised; `router_jitter_noise` must be 0",
                            "(tp, pp, ep) = (1,1,1), (2,1,1), (1,2,1), (1,1,2), (2,1,2), (2,1,4) spanning TP"),
     "Qwen2MoeForCausalLM": ("shared expert behind its sigmoid gate, `norm_topk_prob`, q/k/v biases, dense layers by "

@@ -371,8 +371,8 @@ def test_bad_input(hf_dirs, zoo_dirs, tmp_path, capsys):
     with pytest.raises(ConvertError, match="architecture GPT2LMHeadModel is a checkpoint of another family \\(gpt\\)"):
         hf_to_zoo_bert(gpt_hf, out)
     supported = ("supported: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-                 "MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, Gemma2ForCausalLM, "
-                 "BertModel, BertForMaskedLM, BertForPreTraining, BertForSequenceClassification")
+                 "Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, "
+                 "Gemma2ForCausalLM, BertModel, BertForMaskedLM, BertForPreTraining, BertForSequenceClassification")
     token_cls = edited_copy(hf_dirs["cls"], tmp_path / "token-cls", architectures=["BertForTokenClassification"])
     assert_error(capsys, f"architecture BertForTokenClassification is not supported; {supported}$", "hf-to-zoo",
                  "--src", token_cls, "--out", out)

@@ -1,8 +1,9 @@
-"""HuggingFace <-> zoo for GPT-2, Llama, Mistral and Qwen2: logits equal at every layout, round trips bit-exact.
+"""HuggingFace <-> zoo for GPT-2, Llama, Mistral, Qwen2 and Qwen3: logits equal at every layout, round trips
+bit-exact.
 
 Small random HF models (with a tiny byte-level BPE tokenizer) are saved in a temporary folder, imported with
 ``hf_to_zoo`` and checked with ``verify`` in one 4-rank gloo pool at (tp, pp) in {(1,1), (2,1), (1,2), (2,2)}
-(Qwen2 at (1,1) and (2,2));
+(Qwen2 at (1,1) and (2,2); a windowed Mistral and a windowed Qwen3 at (2,1) and (1,2));
 one torchrun run of ``launch/convert.py verify`` at tp=3 (a 9-query, 3-key-value-head model) checks the command
 end to end.
 """
@@ -29,6 +30,7 @@ from zoo.convert.gpt import check_hf, hf_to_zoo
 from zoo.convert.hf.gemma2 import table as gemma2_table
 from zoo.convert.hf.gpt2 import table as gpt2_table
 from zoo.convert.hf.llama import table as llama_table
+from zoo.convert.hf.qwen3 import table as qwen3_table
 from zoo.convert.hub import resolve_hf_folder
 from zoo.convert.tables import blocks
 from zoo.models.gpt import GPTConfig
@@ -83,10 +85,12 @@ def hf_llama(tied=False, heads=4, kv_heads=2, hidden=64, intermediate=176, arch=
         MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     config_cls, model_cls = {"mistral": (MistralConfig, MistralForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                             "llama": (LlamaConfig, LlamaForCausalLM)}[arch]
+                             "qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[arch]
     rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8, "rope_theta": 5000.0} if not tied else \
         {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
@@ -120,10 +124,16 @@ CASES = {
                               use_sliding_window=False),
     "qwen2-tied": lambda: hf_llama(arch="qwen2", tied=True, kv_heads=1, use_sliding_window=False),
     "gemma2": lambda: hf_gemma2(),
+    # Windows shorter than verify's 16 tokens: every layer (Mistral), the layers after max_window_layers (Qwen3,
+    # with per-head q/k norm and head_dim 24 != 64 / 4).
+    "mistral-window": lambda: hf_llama(arch="mistral", sliding_window=5),
+    "qwen3": lambda: hf_llama(arch="qwen3", head_dim=24, use_sliding_window=True, sliding_window=5,
+                              max_window_layers=1),
 }
 LAYOUT_CASES = ["gpt2", "llama-untied", "llama-tied"]
 QWEN2_LAYOUTS = [(1, 1), (2, 2)]  # Qwen2 differs from Llama by its biases only: two layouts suffice
 GEMMA2_LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # sandwich norms under SP-free TP, the tied soft-capped head over PP
+WINDOW_CASES, WINDOW_LAYOUTS = ["mistral-window", "qwen3"], [(2, 1), (1, 2)]  # tp 1, pp 1: tests/convert/test_registry
 
 
 def save_hf(model, folder: Path, seed: int = 0, **kwargs) -> Path:
@@ -165,7 +175,7 @@ def assert_error(capsys, pattern: str, *argv) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama-untied", "llama-tied", "qwen2", "qwen2-tied", "gemma2"])
+@pytest.mark.parametrize("name", ["gpt2", "llama-untied", "llama-tied", "qwen2", "qwen2-tied", "qwen3", "gemma2"])
 def test_tables_cover_the_checkpoint_and_invert(name):
     """Every HF tensor is read once, with the shape the table expects; to_hf(to_zoo(x)) gives x back exactly."""
     from zoo.convert.gpt import gpt_config_from_hf
@@ -173,7 +183,8 @@ def test_tables_cover_the_checkpoint_and_invert(name):
     hf = CASES[name]()
     arch = type(hf).__name__
     cfg = gpt_config_from_hf(arch, hf.config)
-    table = {"GPT2LMHeadModel": gpt2_table, "Gemma2ForCausalLM": gemma2_table}.get(arch, llama_table)(cfg)
+    table = {"GPT2LMHeadModel": gpt2_table, "Gemma2ForCausalLM": gemma2_table,
+             "Qwen3ForCausalLM": qwen3_table}.get(arch, llama_table)(cfg)
     rows = [r for group in blocks(table, cfg.num_hidden_layers) for r in group]
     state = hf.state_dict()
     if cfg.tie_word_embeddings:
@@ -201,8 +212,9 @@ def verify_cases(pairs, tp, pp):
 def test_verify_every_layout(hf_dirs, zoo_dirs, dist_run):
     """One pool of 4 ranks serves every layout (dp = 4 / (tp x pp) replicas; rank 0's replica is compared)."""
     for tp, pp in LAYOUTS:
-        names = LAYOUT_CASES + (["qwen2"] if (tp, pp) in QWEN2_LAYOUTS else []) + \
-            (["gemma2"] if (tp, pp) in GEMMA2_LAYOUTS else [])
+        names = (LAYOUT_CASES + (["qwen2"] if (tp, pp) in QWEN2_LAYOUTS else [])
+                 + (WINDOW_CASES if (tp, pp) in WINDOW_LAYOUTS else [])
+                 + (["gemma2"] if (tp, pp) in GEMMA2_LAYOUTS else []))
         pairs = [(str(hf_dirs[n]), str(zoo_dirs[n])) for n in names]
         per_rank = dist_run(4, verify_cases, pairs, tp, pp)
         assert all(r == per_rank[0] for r in per_rank)  # every rank returns rank 0's number
@@ -340,7 +352,8 @@ def hf_tensors(folder: Path) -> dict:
 
 @pytest.mark.parametrize("name,dtype,shard", [("gpt2", None, None), ("llama-untied", None, "40KB"),
                                               ("llama-tied", "bf16", None), ("qwen2", None, "40KB"),
-                                              ("qwen2-tied", "bf16", None)])
+                                              ("qwen2-tied", "bf16", None), ("mistral-window", None, None),
+                                              ("qwen3", None, "40KB")])
 def test_round_trip_bit_exact_and_same_generation(name, dtype, shard, hf_dirs, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -439,22 +452,30 @@ def edited_copy(folder: Path, dst: Path, **config) -> Path:
 def test_bad_input(hf_dirs, zoo_dirs, tmp_path, capsys):
     out = tmp_path / "out"
     supported = ("supported: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-                 "MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, Gemma2ForCausalLM, "
-                 "Bert")
+                 "Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, "
+                 "Gemma2ForCausalLM, Bert")
     t5 = edited_copy(hf_dirs["gpt2"], tmp_path / "t5", architectures=["T5ForConditionalGeneration"], model_type="t5")
     assert_error(capsys, f"architecture T5ForConditionalGeneration is not supported; {supported}", "hf-to-zoo",
                  "--src", t5, "--out", out)
+    # Windows shorter than the context import (they were refused before zoo's block had them): Mistral's on every
+    # layer, Qwen2's on the layers its layer_types say (those from max_window_layers on).
     window = edited_copy(hf_dirs["mistral"], tmp_path / "window", sliding_window=16)
-    assert_error(capsys, "sliding_window 16 < max_position_embeddings 64", "hf-to-zoo", "--src", window, "--out", out)
-    # Qwen2 slides only in the layers its layer_types say (those from max_window_layers on).
+    assert run_cli(capsys, "hf-to-zoo", "--src", window, "--out", tmp_path / "window-zoo")[0] == 0
+    assert io.read_config(tmp_path / "window-zoo")[1]["sliding_window"] == 16
+    assert "layer_types" not in io.read_config(tmp_path / "window-zoo")[1]
     qwen_window = edited_copy(hf_dirs["qwen2"], tmp_path / "qwen-window", use_sliding_window=True, sliding_window=16,
                               layer_types=["full_attention", "sliding_attention"])
-    assert_error(capsys, "Qwen2ForCausalLM: sliding_window 16 < max_position_embeddings 64", "hf-to-zoo", "--src",
-                 qwen_window, "--out", out)
+    assert run_cli(capsys, "hf-to-zoo", "--src", qwen_window, "--out", tmp_path / "qwen-window-zoo")[0] == 0
+    config = io.read_config(tmp_path / "qwen-window-zoo")[1]
+    assert (config["sliding_window"], config["layer_types"]) == (16, ["full_attention", "sliding_attention"])
     qwen_full = edited_copy(hf_dirs["qwen2"], tmp_path / "qwen-full", use_sliding_window=True, sliding_window=16,
                             max_window_layers=2, layer_types=["full_attention", "full_attention"])
     assert run_cli(capsys, "hf-to-zoo", "--src", qwen_full, "--out", tmp_path / "qwen-full-zoo")[0] == 0
     assert io.read_config(tmp_path / "qwen-full-zoo")[1]["qkv_bias"] is True
+    assert "sliding_window" not in io.read_config(tmp_path / "qwen-full-zoo")[1]  # no layer slides: full attention
+    qwen3_bias = edited_copy(hf_dirs["qwen3"], tmp_path / "qwen3-bias", attention_bias=True)
+    assert_error(capsys, "Qwen3ForCausalLM: attention_bias=True is not supported", "hf-to-zoo", "--src", qwen3_bias,
+                 "--out", out)
     act = edited_copy(hf_dirs["gpt2"], tmp_path / "relu", activation_function="relu")
     assert_error(capsys, "activation_function 'relu' is not supported", "hf-to-zoo", "--src", act, "--out", out)
     biased = edited_copy(hf_dirs["llama-tied"], tmp_path / "biased", attention_bias=True)

@@ -285,8 +285,8 @@ def test_bad_input(hf_dirs, zoo_dirs, tmp_path, capsys):
     (deepseek / "config.json").write_text(json.dumps({**meta, "architectures": ["DeepseekV3ForCausalLM"],
                                                       "model_type": "deepseek_v3"}))
     assert_error(capsys, r"architecture DeepseekV3ForCausalLM is not supported; supported: .*Qwen2ForCausalLM, "
-                 r"MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, Gemma2ForCausalLM, "
-                 r"BertModel",
+                 r"Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, "
+                 r"Gemma2ForCausalLM, BertModel",
                  "hf-to-zoo", "--src", deepseek, "--out", out)
 
     jitter = shutil.copytree(hf_dirs["mixtral", "fused"], tmp_path / "jitter")

@@ -1,10 +1,12 @@
 """Every registered HF architecture goes through the same generic code path: hf-to-zoo, verify at tp 1 in this
-process, zoo-to-hf bit-exact with the original tensors (``zoo.convert.registry``).
+process, zoo-to-hf bit-exact with the original tensors (``zoo.convert.registry``); a causal LM's export loads in
+transformers as the same model (the same logits).
 
 Each case is a tiny random model made from its own transformers / diffusers config class, the same small models
 the per-family tests use (tests/convert/test_hf_gpt.py, test_hf_moe.py, test_hf_bert.py, test_diffusers_cli.py).
 An architecture registered without an entry in ``MODELS`` fails :func:`test_every_architecture_has_a_case`, so
-adding one means adding its line here (docs/adding-a-model.md).
+adding one means adding its line here (docs/adding-a-model.md). ``VARIANTS`` are further cases of a class (a
+feature off where ``MODELS`` has it on). Windows are shorter than verify's 16 tokens (``WINDOW``), so they bite.
 """
 
 from __future__ import annotations
@@ -21,9 +23,13 @@ from tests.convert import test_hf_bert as bert_cases
 from tests.convert import test_hf_gpt as gpt_cases
 from tests.convert import test_hf_moe as moe_cases
 from zoo.convert.cli import main
+from zoo.convert.errors import ConvertError
+from zoo.convert.gpt import export_architecture
 from zoo.convert.registry import ARCHITECTURES, FAMILIES, hf_family
+from zoo.models.gpt import FAMILY, GPTConfig
 
 TOL = 1e-4
+WINDOW = 5  # < verify's default --seq 16
 CONVERT = Path(__file__).resolve().parents[2] / "zoo" / "convert"
 
 
@@ -36,8 +42,14 @@ def _randomized(model, seed: int = 0):
 MODELS = {
     "GPT2LMHeadModel": lambda: _randomized(gpt_cases.hf_gpt2()),
     "LlamaForCausalLM": lambda: _randomized(gpt_cases.hf_llama(tied=False)),
-    "MistralForCausalLM": lambda: _randomized(gpt_cases.hf_llama(arch="mistral", sliding_window=None)),
-    "Qwen2ForCausalLM": lambda: _randomized(gpt_cases.hf_llama(arch="qwen2", use_sliding_window=False)),
+    "MistralForCausalLM": lambda: _randomized(gpt_cases.hf_llama(arch="mistral", sliding_window=WINDOW)),
+    # layer_types mixed, in an order max_window_layers cannot say: the list is what is read and written
+    "Qwen2ForCausalLM": lambda: _randomized(gpt_cases.hf_llama(
+        arch="qwen2", use_sliding_window=True, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"])),
+    # head_dim 24 != 64 / 4; the window on the layers from max_window_layers 1 on (layer_types derived)
+    "Qwen3ForCausalLM": lambda: _randomized(gpt_cases.hf_llama(
+        arch="qwen3", head_dim=24, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
     "MixtralForCausalLM": lambda: _randomized(moe_cases.hf_model("mixtral")),
     "Qwen2MoeForCausalLM": lambda: _randomized(moe_cases.hf_model("qwen2-moe")),
     "Qwen3MoeForCausalLM": lambda: _randomized(moe_cases.hf_model("qwen3-moe")),
@@ -48,6 +60,14 @@ MODELS = {
     "BertForPreTraining": lambda: bert_cases.hf_model("BertForPreTraining"),
     "BertForSequenceClassification": lambda: bert_cases.hf_model("BertForSequenceClassification"),
     "UNet2DModel": lambda: unet_cases.random_unet2d(),
+}
+# Further cases of a class, "<class>:<what>": head_dim apart, without the window (Mistral exports back as Llama), tied.
+VARIANTS = {
+    "LlamaForCausalLM:head-dim": lambda: _randomized(gpt_cases.hf_llama(head_dim=24)),
+    "MistralForCausalLM:no-window": lambda: _randomized(gpt_cases.hf_llama(arch="mistral", sliding_window=None)),
+    "Qwen2ForCausalLM:no-window": lambda: _randomized(gpt_cases.hf_llama(arch="qwen2", use_sliding_window=False)),
+    "Qwen3ForCausalLM:tied-no-window": lambda: _randomized(gpt_cases.hf_llama(arch="qwen3", tied=True, kv_heads=1,
+                                                                              head_dim=16)),
 }
 
 
@@ -71,17 +91,32 @@ def cli(capsys, *argv) -> tuple[int, str]:
     return rc, out.out
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_import_verify_export(name, tmp_path, capsys, monkeypatch):
+def same_causal_lm(src: Path, out: Path) -> None:
+    """The exported folder loads in transformers as the original model: its logits over 20 tokens (past the
+    windows), of the same class unless a windowless Mistral came back as Llama."""
+    from transformers import AutoModelForCausalLM
+
+    a, b = (AutoModelForCausalLM.from_pretrained(f).eval() for f in (src, out))
+    windowless = getattr(a.config, "sliding_window", None) is None
+    assert type(b) is type(a) or (type(a).__name__, type(b).__name__, windowless) == (
+        "MistralForCausalLM", "LlamaForCausalLM", True)
+    ids = torch.randint(0, a.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(a(ids).logits, b(ids).logits, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("case", sorted(MODELS) + sorted(VARIANTS))
+def test_import_verify_export(case, tmp_path, capsys, monkeypatch):
     """hf-to-zoo picks the architecture's family from the registry, verify (tp 1, this process) finds the same
-    outputs, zoo-to-hf writes every original tensor back bit for bit."""
+    outputs, zoo-to-hf writes every original tensor back bit for bit (and a causal LM the same model)."""
+    name = case.split(":")[0]
     if ARCHITECTURES[name].library == "diffusers":
         pytest.importorskip("diffusers")
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "ZOO_WORLD_OF_ONE"):
         monkeypatch.delenv(var, raising=False)  # restored afterwards: verify makes this process a world of one
     src, zoo, out = tmp_path / "hf", tmp_path / "zoo", tmp_path / "back"
     torch.manual_seed(0)
-    MODELS[name]().save_pretrained(src)
+    {**MODELS, **VARIANTS}[case]().save_pretrained(src)
     assert hf_family(src) == ARCHITECTURES[name].family
 
     cli(capsys, "hf-to-zoo", "--src", src, "--out", zoo)
@@ -94,3 +129,42 @@ def test_import_verify_export(name, tmp_path, capsys, monkeypatch):
     assert sorted(exported) == sorted(original)
     for key, t in original.items():
         assert exported[key].dtype == t.dtype and torch.equal(exported[key], t), key
+    if ARCHITECTURES[name].family == FAMILY:
+        same_causal_lm(src, out)
+
+
+MIXED = ["sliding_attention", "full_attention"] * 2
+
+
+@pytest.mark.parametrize("fields,arch", [
+    ({}, "LlamaForCausalLM"),
+    ({"head_dim": 24}, "LlamaForCausalLM"),
+    ({"sliding_window": 8}, "MistralForCausalLM"),
+    ({"sliding_window": 8, "layer_types": ["sliding_attention"] * 4}, "MistralForCausalLM"),
+    ({"qkv_bias": True}, "Qwen2ForCausalLM"),
+    ({"qkv_bias": True, "sliding_window": 8, "layer_types": MIXED}, "Qwen2ForCausalLM"),
+    ({"qk_norm": "head"}, "Qwen3ForCausalLM"),
+    ({"qk_norm": "head", "head_dim": 24, "sliding_window": 8, "layer_types": MIXED}, "Qwen3ForCausalLM"),
+    ({"qk_norm": "head", "num_experts": 4, "add_bias": False}, "Qwen3MoeForCausalLM"),
+    # no class holds these: refused in one line naming the fields
+    ({"sliding_window": 8, "layer_types": MIXED}, None),
+    ({"qkv_bias": True, "head_dim": 24}, None),
+    ({"qk_norm": "full"}, None),
+    ({"attn_logit_softcapping": 30.0}, None),
+    # Llama's blocks with one of Gemma 2's features: no class computes that either
+    ({"norm_placement": "sandwich"}, None),
+    ({"norm_weight_offset": 1.0}, None),
+    ({"embedding_multiplier": 8.0}, None),
+    ({"final_logit_softcapping": 30.0}, None),
+])
+def test_export_class_by_features(fields, arch):
+    """A zoo GPT exports as the first registered class whose ``exports`` takes it: windows go to Mistral (every
+    layer) or Qwen2 / Qwen3 (any layers), per-head q/k norm to Qwen3, and Llama keeps only the plain ones."""
+    cfg = GPTConfig.from_preset("tiny-llama", **fields)
+    if arch is not None:
+        assert export_architecture(cfg).name == arch
+        return
+    with pytest.raises(ConvertError, match="matches no HF architecture") as err:
+        export_architecture(cfg)
+    message = str(err.value)
+    assert "\n" not in message and f"qk_norm={cfg.qk_norm}, sliding_window={cfg.sliding_window}" in message

@@ -4,16 +4,25 @@ Qwen2: ``layer_types`` mixing sliding and full layers), and the KV cache against
 
 The HF models are tiny random ones moved off their init (``test_gpt_vs_transformers.randomize_``), their weights
 copied through the converter's Llama key table (Mistral's and Qwen2's names are Llama's); the window is set on the
-zoo config directly (the converter does not read it yet).
+zoo config directly here. A dense Qwen3 (per-head q/k norm, head_dim apart, windows by layer_types) goes through
+the converter's own config mapping and table, to compare greedy generation.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from tests.models.test_gpt_vs_transformers import VOCAB, load_from_hf, max_logit_diff, randomize_, token_ids
+from zoo.convert.hf import qwen3 as qwen3_adapter
 from zoo.convert.hf.llama import table as llama_table
 from zoo.models.generate import Generator
 from zoo.models.gpt import GPTConfig, layer_specs
@@ -113,6 +122,29 @@ def test_mistral_greedy_generation_matches_past_the_window():
     hf = mistral(window=5, seed=1)
     model, _ = zoo_twin(hf, sliding_window=5)
     ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(4))
+    eos = hf.generation_config.eos_token_id
+    with torch.no_grad():
+        theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                             eos_token_id=eos, pad_token_id=eos)
+    ours = Generator(model).generate(ids, max_new_tokens=20, eos_token_id=eos, pad_token_id=eos)
+    assert torch.equal(ours.tokens, theirs)
+    assert min(len(set(row.tolist())) for row in ours.new_tokens) > 3  # not a degenerate repetition
+
+
+def test_qwen3_through_the_converter_generates_as_transformers():
+    """Qwen3 with head_dim 24 != 64 / 4, q/k norm per head, a window of 5 on its second layer (max_window_layers 1):
+    the converter's config and table give HF's logits, and greedy generation past the window is HF's."""
+    torch.manual_seed(2)
+    hf = Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=24, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                                      use_sliding_window=True, sliding_window=5, max_window_layers=1,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 1e6})).eval()
+    randomize_(hf, 2)
+    cfg = qwen3_adapter.to_zoo(hf.config)
+    assert (cfg.head_dim, cfg.qk_norm, cfg.layer_types) == (24, "head", ["full_attention", "sliding_attention"])
+    model = SpecSequential(layer_specs(cfg)).eval()
+    load_from_hf(model, hf, qwen3_adapter.table(cfg), cfg)
+    assert max_logit_diff(model, hf, cfg, token_ids(seq=SEQ)) < 1e-4
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(5))
     eos = hf.generation_config.eos_token_id
     with torch.no_grad():
         theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,

@@ -110,8 +110,8 @@ def gpt_config_from_hf(arch: str, c) -> GPTConfig:
 
 
 def export_architecture(cfg: GPTConfig) -> Architecture:
-    """The HF architecture computing what this zoo GPT computes (Mistral imports come back as Llama), or a one-line
-    refusal naming what each class would need."""
+    """The HF architecture computing what this zoo GPT computes (windowless Mistral imports come back as Llama), or a
+    one-line refusal naming what each class would need."""
     for arch in of_family(FAMILY):
         if arch.exports is not None and arch.exports(cfg):
             if arch.check_export is not None:
@@ -119,8 +119,9 @@ def export_architecture(cfg: GPTConfig) -> Architecture:
             return arch
     needs = [a.export_needs for a in of_family(FAMILY) if a.export_needs]
     raise ConvertError(f"this zoo GPT (position {cfg.position_embedding_type}, {cfg.normalization}, {cfg.activation}, "
-                       f"add_bias={cfg.add_bias}, qkv_bias={cfg.use_qkv_bias}) matches no HF architecture: "
-                       f"{'; '.join(needs)}")
+                       f"add_bias={cfg.add_bias}, qkv_bias={cfg.use_qkv_bias}, qk_norm={cfg.qk_norm}, "
+                       f"sliding_window={cfg.sliding_window}, layer_types={cfg.layer_types}) matches no HF "
+                       f"architecture: {'; '.join(needs)}")
 
 
 def read_zoo_gpt(folder, refusal: str) -> GPTConfig:

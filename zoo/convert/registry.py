@@ -61,6 +61,7 @@ ARCHITECTURES = Registry("HF architecture", (
     "zoo.convert.hf.llama",
     "zoo.convert.hf.mistral",
     "zoo.convert.hf.qwen2",
+    "zoo.convert.hf.qwen3",
     "zoo.convert.hf.mixtral",
     "zoo.convert.hf.qwen2_moe",
     "zoo.convert.hf.qwen3_moe",

@@ -1,11 +1,12 @@
 """LlamaForCausalLM <-> zoo's GPT (RoPE, RMSNorm, SwiGLU, no biases, grouped-query attention).
 
 The pieces here are the base other architectures read as differences from: Mistral (``mistral.py``), Qwen2
-(``qwen2.py``, q/k/v biases) and the mixture-of-experts GPTs (``moe.py``, their attention and dense rows). RoPE is
-rotate-half in both HF and zoo, so the q/k rows need no permutation within a head (unlike Meta's original
-checkpoints); q, k, v are fused per key-value group, gate and up into zoo's SwiGLU fc1.
-Refused, one line each: attention/MLP biases, a head_dim other than hidden/heads, a RoPE type other than
-default/linear/llama3, a sliding window shorter than the context, layer types zoo does not have.
+(``qwen2.py``, q/k/v biases), Qwen3 (``qwen3.py``, q/k norm) and the mixture-of-experts GPTs (``moe.py``, their
+attention and dense rows). RoPE is rotate-half in both HF and zoo, so the q/k rows need no permutation within a head
+(unlike Meta's original checkpoints); q, k, v are fused per key-value group, gate and up into zoo's SwiGLU fc1.
+Refused, one line each: attention/MLP biases, a RoPE type other than default/linear/llama3, layer types zoo does
+not have. The sliding-window mappings both ways (Mistral's on every layer, Qwen2's and Qwen3's by ``layer_types``)
+are here; any ``head_dim`` is read and written.
 Notation: h hidden, f intermediate, V vocabulary (unpadded), L blocks, nq/nkv query/key-value heads, d head dim.
 """
 
@@ -93,43 +94,88 @@ def rope_parameters(cfg: GPTConfig) -> dict:
 
 
 def refuse_window(need, c, window, sliding: bool = True) -> None:
-    """zoo has no sliding-window attention: a window shorter than the context is refused where layers slide."""
+    """A window shorter than the context is refused where layers slide (the MoE classes: their converters do not
+    map windows yet, though zoo's block has them)."""
     need(not sliding or window is None or window >= c.max_position_embeddings,
-         f"sliding_window {window} < max_position_embeddings {c.max_position_embeddings}: zoo has no sliding-window "
-         f"attention")
+         f"sliding_window {window} < max_position_embeddings {c.max_position_embeddings}: zoo does not convert a "
+         f"sliding window for this class")
 
 
-def to_zoo(c, *, arch: str = NAME, qkv_bias: bool = False, sliding_by_layer_types: bool = False) -> GPTConfig:
+def short_window(c) -> int | None:
+    """The config's sliding window where it is shorter than the context (a longer one masks nothing: full)."""
+    window = getattr(c, "sliding_window", None)  # Qwen2Config / Qwen3Config: None unless use_sliding_window
+    return window if window is not None and window < c.max_position_embeddings else None
+
+
+def no_window(c) -> dict:
+    return {}
+
+
+def window_every_layer(c) -> dict:
+    """Mistral: every layer slides when ``sliding_window`` is shorter than the context (zoo's ``layer_types`` None)."""
+    window = short_window(c)
+    return {} if window is None else {"sliding_window": window}
+
+
+def window_by_layer_types(c) -> dict:
+    """Qwen2 / Qwen3: the layers ``layer_types`` marks slide (transformers derives it from ``max_window_layers`` when
+    config.json has none, so it is the source of truth); no sliding layer or no short window: full attention."""
+    window, types = short_window(c), list(getattr(c, "layer_types", None) or [])
+    if window is None or "sliding_attention" not in types:
+        return {}
+    return {"sliding_window": window, "layer_types": types}
+
+
+def to_zoo(c, *, arch: str = NAME, qkv_bias: bool = False, windows=no_window, **fields) -> GPTConfig:
     """The GPTConfig computing what the HF model computes; refuses (one line) what zoo's GPT cannot express.
-    ``qkv_bias``: the class has q/k/v biases always (Qwen2); ``sliding_by_layer_types``: only the layers
-    ``layer_types`` marks slide (Qwen2, from max_window_layers on), else every layer does when a window is set."""
+    ``qkv_bias``: the class has q/k/v biases always (Qwen2); ``windows(c)``: the class's sliding-window fields
+    (``window_every_layer``, ``window_by_layer_types``); ``fields``: further GPTConfig fields (Qwen3's q/k norm)."""
     need = refusal(arch)
     need(c.hidden_act == "silu", f"hidden_act {c.hidden_act!r} is not supported (zoo's SwiGLU uses silu)")
     need(not getattr(c, "attention_bias", False), "attention_bias=True is not supported (zoo's Llama has no biases)")
     need(not getattr(c, "mlp_bias", False), "mlp_bias=True is not supported (zoo's Llama has no biases)")
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    need(head_dim * c.num_attention_heads == c.hidden_size,
-         f"head_dim {head_dim} x num_attention_heads {c.num_attention_heads} != hidden_size {c.hidden_size}; "
-         f"zoo needs head_dim = hidden_size / num_attention_heads")
     layer_types = getattr(c, "layer_types", None) or []
     need(set(layer_types) <= LAYER_TYPES, f"layer_types {sorted(set(layer_types) - LAYER_TYPES)} are not supported")
-    sliding = "sliding_attention" in layer_types if sliding_by_layer_types else True
-    refuse_window(need, c, getattr(c, "sliding_window", None), sliding)  # Qwen2Config: None unless use_sliding_window
     theta, scaling = rope(c)
     return zoo_config(GPTConfig, dict(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
         num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads or c.num_attention_heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
         intermediate_size=c.intermediate_size, max_position_embeddings=c.max_position_embeddings,
         position_embedding_type="rope", normalization="rmsnorm", norm_eps=c.rms_norm_eps, activation="swiglu",
         add_bias=False, **({"qkv_bias": True} if qkv_bias else {}), tie_word_embeddings=bool(c.tie_word_embeddings),
         rope_theta=theta, rope_scaling=scaling, initializer_range=c.initializer_range,
-        attention_dropout=float(getattr(c, "attention_dropout", 0.0) or 0.0)))
+        attention_dropout=float(getattr(c, "attention_dropout", 0.0) or 0.0), **windows(c), **fields))
 
 
-def is_llama(cfg: GPTConfig, qkv_bias: bool = False) -> bool:
-    """A dense zoo GPT with Llama's features (and q/k/v biases or not)."""
-    return not cfg.num_experts and (cfg.position_embedding_type, cfg.normalization, cfg.activation, cfg.add_bias,
-                                    cfg.use_qkv_bias) == ("rope", "rmsnorm", "swiglu", False, qkv_bias)
+def is_llama(cfg: GPTConfig, qkv_bias: bool = False, qk_norm: str | None = None) -> bool:
+    """A dense zoo GPT with Llama's features (and q/k/v biases or not, q/k norm or not), any windows; the scores
+    scaled and uncapped as Llama's, plain pre-norm RMSNorms, unscaled embeddings and uncapped logits."""
+    return (not cfg.num_experts and cfg.qk_norm == qk_norm and cfg.attn_logit_softcapping is None
+            and cfg.query_pre_attn_scalar is None and cfg.norm_weight_offset == 0.0 and cfg.norm_placement == "pre"
+            and cfg.embedding_multiplier is None and cfg.final_logit_softcapping is None
+            and (cfg.position_embedding_type, cfg.normalization, cfg.activation, cfg.add_bias, cfg.use_qkv_bias)
+            == ("rope", "rmsnorm", "swiglu", False, qkv_bias))
+
+
+def is_windowless(cfg: GPTConfig) -> bool:
+    return all(cfg.attention_window(i) is None for i in range(cfg.num_hidden_layers))
+
+
+def exports(cfg: GPTConfig) -> bool:
+    """Llama: the Llama features without a window (a windowed one is Mistral's or Qwen2's)."""
+    return is_llama(cfg) and is_windowless(cfg)
+
+
+def window_hf_fields(cfg: GPTConfig) -> dict:
+    """Qwen2's and Qwen3's window fields for a zoo GPT: ``layer_types`` written out (what transformers reads first),
+    ``max_window_layers`` the full layers before the first sliding one (what it would derive them from)."""
+    L = cfg.num_hidden_layers
+    if is_windowless(cfg):
+        return dict(use_sliding_window=False, sliding_window=None, max_window_layers=L)
+    types = ["full_attention" if cfg.attention_window(i) is None else "sliding_attention" for i in range(L)]
+    return dict(use_sliding_window=True, sliding_window=cfg.sliding_window, layer_types=types,
+                max_window_layers=types.index("sliding_attention"))
 
 
 def common_hf_fields(cfg: GPTConfig, arch: str, special: dict) -> dict:
@@ -158,5 +204,6 @@ def _config_class():
 
 
 ARCHITECTURES = {NAME: Architecture(
-    NAME, FAMILY, _config_class, partial(to_zoo, arch=NAME), groups, to_hf, model_type="llama", exports=is_llama,
-    export_needs="LlamaForCausalLM needs rope, rmsnorm, swiglu, add_bias=False, qkv_bias=False")}
+    NAME, FAMILY, _config_class, partial(to_zoo, arch=NAME), groups, to_hf, model_type="llama", exports=exports,
+    export_needs="LlamaForCausalLM needs rope, rmsnorm, swiglu, add_bias=False, qkv_bias=False, no qk_norm, no "
+                 "sliding window, no soft-capping or query_pre_attn_scalar")}

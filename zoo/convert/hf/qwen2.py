@@ -2,7 +2,9 @@
 
 The differences: ``GPTConfig(add_bias=False, qkv_bias=True)``, the three biases fused per key-value group exactly
 like the weights (llama's table adds their row when ``cfg.use_qkv_bias``); only the layers ``layer_types`` marks
-slide (from ``max_window_layers`` on), so a window is refused only where one does. Such a zoo GPT exports as
+slide (transformers derives it from ``max_window_layers`` when absent), so a window shorter than the context
+imports as zoo's ``sliding_window`` with those ``layer_types`` (``llama.window_by_layer_types``) and exports back
+with them written out. Qwen2Config has no ``head_dim``: it is hidden / heads. Such a zoo GPT exports as
 Qwen2ForCausalLM.
 """
 
@@ -19,12 +21,16 @@ from zoo.models.gpt import FAMILY, GPTConfig
 NAME = "Qwen2ForCausalLM"
 
 
+def exports(cfg: GPTConfig) -> bool:
+    return llama.is_llama(cfg, qkv_bias=True) and cfg.head_dim * cfg.num_attention_heads == cfg.hidden_size
+
+
 def to_hf(cfg: GPTConfig, dtype: torch.dtype, special: dict):
-    """Qwen2Config: q/k/v biases built in; head_dim is hidden / heads, as in zoo; no window."""
+    """Qwen2Config: q/k/v biases built in; head_dim is hidden / heads, as :func:`exports` asks; the window fields."""
     from transformers import Qwen2Config
 
-    c = Qwen2Config(intermediate_size=cfg.intermediate_size, use_sliding_window=False, sliding_window=None,
-                    max_window_layers=cfg.num_hidden_layers, **llama.common_hf_fields(cfg, NAME, special))
+    c = Qwen2Config(intermediate_size=cfg.intermediate_size, **llama.window_hf_fields(cfg),
+                    **llama.common_hf_fields(cfg, NAME, special))
     c.dtype = dtype
     return c
 
@@ -36,6 +42,6 @@ def _config_class():
 
 
 ARCHITECTURES = {NAME: Architecture(
-    NAME, FAMILY, _config_class, partial(llama.to_zoo, arch=NAME, qkv_bias=True, sliding_by_layer_types=True),
-    llama.groups, to_hf, model_type="qwen2", exports=partial(llama.is_llama, qkv_bias=True),
-    export_needs="Qwen2ForCausalLM the same with qkv_bias=True")}
+    NAME, FAMILY, _config_class, partial(llama.to_zoo, arch=NAME, qkv_bias=True, windows=llama.window_by_layer_types),
+    llama.groups, to_hf, model_type="qwen2", exports=exports,
+    export_needs="Qwen2ForCausalLM the same with qkv_bias=True and head_dim = hidden / heads, any sliding windows")}
