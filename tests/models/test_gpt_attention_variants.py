@@ -117,18 +117,24 @@ def test_qwen2_layer_types_logits_match():
     assert max_logit_diff(swapped, hf, cfg, ids) > 1e-2
 
 
-def test_mistral_greedy_generation_matches_past_the_window():
-    """Prompt 7 + 20 new tokens with a window of 5: the cached path masks the whole cache by the window."""
-    hf = mistral(window=5, seed=1)
-    model, _ = zoo_twin(hf, sliding_window=5)
-    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(4))
+def assert_greedy_like_hf(model, hf, seed: int) -> None:
+    """A 7-token prompt + 20 greedy tokens (past every window here): zoo's generator gives transformers' tokens,
+    and not a degenerate repetition."""
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(seed))
     eos = hf.generation_config.eos_token_id
     with torch.no_grad():
         theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
                              eos_token_id=eos, pad_token_id=eos)
     ours = Generator(model).generate(ids, max_new_tokens=20, eos_token_id=eos, pad_token_id=eos)
     assert torch.equal(ours.tokens, theirs)
-    assert min(len(set(row.tolist())) for row in ours.new_tokens) > 3  # not a degenerate repetition
+    assert min(len(set(row.tolist())) for row in ours.new_tokens) > 3
+
+
+def test_mistral_greedy_generation_matches_past_the_window():
+    """Prompt 7 + 20 new tokens with a window of 5: the cached path masks the whole cache by the window."""
+    hf = mistral(window=5, seed=1)
+    model, _ = zoo_twin(hf, sliding_window=5)
+    assert_greedy_like_hf(model, hf, seed=4)
 
 
 def test_qwen3_through_the_converter_generates_as_transformers():
@@ -144,14 +150,7 @@ def test_qwen3_through_the_converter_generates_as_transformers():
     model = SpecSequential(layer_specs(cfg)).eval()
     load_from_hf(model, hf, qwen3_adapter.table(cfg), cfg)
     assert max_logit_diff(model, hf, cfg, token_ids(seq=SEQ)) < 1e-4
-    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(5))
-    eos = hf.generation_config.eos_token_id
-    with torch.no_grad():
-        theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
-                             eos_token_id=eos, pad_token_id=eos)
-    ours = Generator(model).generate(ids, max_new_tokens=20, eos_token_id=eos, pad_token_id=eos)
-    assert torch.equal(ours.tokens, theirs)
-    assert min(len(set(row.tolist())) for row in ours.new_tokens) > 3  # not a degenerate repetition
+    assert_greedy_like_hf(model, hf, seed=5)
 
 
 # ---------------------------------------------------------------------------------------------------------------
