@@ -113,6 +113,46 @@ def hf_gemma2(**overrides):
     return Gemma2ForCausalLM(Gemma2Config(**{**cfg, **overrides}))
 
 
+def hf_olmo2(arch="olmo2", **overrides):
+    """A tiny OLMo 2 (post-norm, q/k RMSNorm over the projection), head_dim 24 != 64 / 4, GQA, untied; OLMo 3 adds a
+    window of 5 (shorter than verify's sequence) on the layers layer_types marks."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM
+
+    config_cls, model_cls = {"olmo2": (Olmo2Config, Olmo2ForCausalLM), "olmo3": (Olmo3Config, Olmo3ForCausalLM)}[arch]
+    cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
+               bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS)
+    if arch == "olmo3":
+        cfg.update(sliding_window=5, layer_types=["sliding_attention", "full_attention"])
+    model = model_cls(config_cls(**{**cfg, **overrides}))
+    model.config.head_dim = overrides.get("head_dim", 24)  # read by the attention (no field in the config class)
+    return model_cls(model.config)
+
+
+def hf_granite(**overrides):
+    """A tiny Granite: all four multipliers away from 1 (the query scale apart from 1/sqrt(d)), attention biases
+    without MLP biases, GQA, untied."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
+               embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.5,
+               attention_bias=True, mlp_bias=False, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS)
+    return GraniteForCausalLM(GraniteConfig(**{**cfg, **overrides}))
+
+
+def hf_neox(**overrides):
+    """A tiny GPT-NeoX (Pythia's block: parallel residual, exact GELU, biases, untied embed_out), rotating whole
+    heads (rotary_pct 1: partial rotary comes with the RoPE work)."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               max_position_embeddings=64, layer_norm_eps=1e-5, tie_word_embeddings=False, use_parallel_residual=True,
+               rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
+               bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS)
+    return GPTNeoXForCausalLM(GPTNeoXConfig(**{**cfg, **overrides}))
+
+
 CASES = {
     "gpt2": lambda: hf_gpt2(),
     "llama-untied": lambda: hf_llama(tied=False),
