@@ -32,7 +32,8 @@ from zoo.convert.hf.gpt2 import table as gpt2_table
 from zoo.convert.hf.llama import table as llama_table
 from zoo.convert.hf.qwen3 import table as qwen3_table
 from zoo.convert.hub import resolve_hf_folder
-from zoo.convert.tables import blocks
+from zoo.convert.registry import ARCHITECTURES
+from zoo.convert.tables import blocks, rows_of
 from zoo.models.gpt import GPTConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,6 +41,7 @@ VOCAB = 300  # > the tokenizer's 290 entries; not a multiple of 128, so zoo pads
 EOS = 0  # the tokenizer's <|endoftext|>
 TOL = 1e-4
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, pp)
+BLOCK_TABLES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "GraniteForCausalLM", "GPTNeoXForCausalLM")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -169,11 +171,18 @@ CASES = {
     "mistral-window": lambda: hf_llama(arch="mistral", sliding_window=5),
     "qwen3": lambda: hf_llama(arch="qwen3", head_dim=24, use_sliding_window=True, sliding_window=5,
                               max_window_layers=1),
+    # The block features of tests/models/test_block_features.py: post-norm + q/k norm over the projection (OLMo 2; OLMo
+    # 3 with a window of 5 on its first layer), Granite's multipliers and attention biases, NeoX's parallel residual.
+    "olmo2": lambda: hf_olmo2(),
+    "olmo3": lambda: hf_olmo2("olmo3"),
+    "granite": lambda: hf_granite(),
+    "neox": lambda: hf_neox(),
 }
 LAYOUT_CASES = ["gpt2", "llama-untied", "llama-tied"]
 QWEN2_LAYOUTS = [(1, 1), (2, 2)]  # Qwen2 differs from Llama by its biases only: two layouts suffice
 GEMMA2_LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # sandwich norms under SP-free TP, the tied soft-capped head over PP
 WINDOW_CASES, WINDOW_LAYOUTS = ["mistral-window", "qwen3"], [(2, 1), (1, 2)]  # tp 1, pp 1: tests/convert/test_registry
+BLOCK_CASES = ["olmo2", "olmo3", "granite", "neox"]  # at WINDOW_LAYOUTS too (tp 1: test_registry)
 
 
 def save_hf(model, folder: Path, seed: int = 0, **kwargs) -> Path:
@@ -215,7 +224,8 @@ def assert_error(capsys, pattern: str, *argv) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama-untied", "llama-tied", "qwen2", "qwen2-tied", "qwen3", "gemma2"])
+@pytest.mark.parametrize("name", ["gpt2", "llama-untied", "llama-tied", "qwen2", "qwen2-tied", "qwen3", "gemma2",
+                                  *BLOCK_CASES])
 def test_tables_cover_the_checkpoint_and_invert(name):
     """Every HF tensor is read once, with the shape the table expects; to_hf(to_zoo(x)) gives x back exactly."""
     from zoo.convert.gpt import gpt_config_from_hf
@@ -226,7 +236,11 @@ def test_tables_cover_the_checkpoint_and_invert(name):
     table = {"GPT2LMHeadModel": gpt2_table, "Gemma2ForCausalLM": gemma2_table,
              "Qwen3ForCausalLM": qwen3_table}.get(arch, llama_table)(cfg)
     rows = [r for group in blocks(table, cfg.num_hidden_layers) for r in group]
+    if arch in BLOCK_TABLES:
+        rows = rows_of(ARCHITECTURES[arch].groups(cfg))
     state = hf.state_dict()
+    if arch == "GPTNeoXForCausalLM":  # transformers 5 holds embed_out as lm_head, saves it as embed_out
+        state["embed_out.weight"] = state.pop("lm_head.weight")
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     assert sorted(k for r in rows for k in r.hf) == sorted(state)
@@ -253,7 +267,7 @@ def test_verify_every_layout(hf_dirs, zoo_dirs, dist_run):
     """One pool of 4 ranks serves every layout (dp = 4 / (tp x pp) replicas; rank 0's replica is compared)."""
     for tp, pp in LAYOUTS:
         names = (LAYOUT_CASES + (["qwen2"] if (tp, pp) in QWEN2_LAYOUTS else [])
-                 + (WINDOW_CASES if (tp, pp) in WINDOW_LAYOUTS else [])
+                 + (WINDOW_CASES + BLOCK_CASES if (tp, pp) in WINDOW_LAYOUTS else [])
                  + (["gemma2"] if (tp, pp) in GEMMA2_LAYOUTS else []))
         pairs = [(str(hf_dirs[n]), str(zoo_dirs[n])) for n in names]
         per_rank = dist_run(4, verify_cases, pairs, tp, pp)
@@ -393,7 +407,8 @@ def hf_tensors(folder: Path) -> dict:
 @pytest.mark.parametrize("name,dtype,shard", [("gpt2", None, None), ("llama-untied", None, "40KB"),
                                               ("llama-tied", "bf16", None), ("qwen2", None, "40KB"),
                                               ("qwen2-tied", "bf16", None), ("mistral-window", None, None),
-                                              ("qwen3", None, "40KB")])
+                                              ("qwen3", None, "40KB"), ("olmo2", None, None),
+                                              ("olmo3", None, "40KB"), ("granite", "bf16", None), ("neox", None, None)])
 def test_round_trip_bit_exact_and_same_generation(name, dtype, shard, hf_dirs, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -493,7 +508,7 @@ def test_bad_input(hf_dirs, zoo_dirs, tmp_path, capsys):
     out = tmp_path / "out"
     supported = ("supported: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
                  "Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, "
-                 "Gemma2ForCausalLM, Bert")
+                 "Gemma2ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, GraniteForCausalLM, GPTNeoXForCausalLM, Bert")
     t5 = edited_copy(hf_dirs["gpt2"], tmp_path / "t5", architectures=["T5ForConditionalGeneration"], model_type="t5")
     assert_error(capsys, f"architecture T5ForConditionalGeneration is not supported; {supported}", "hf-to-zoo",
                  "--src", t5, "--out", out)
