@@ -178,6 +178,8 @@ def test_block_trains_alike(dist_run, tmp_path_factory, block, layout):
     else:
         expected = gpt_layouts.layout_run(dist_run, "llama", "single", extra)[0][0]
         runs = gpt_layouts.layout_run(dist_run, "llama", layout, extra)[0]
+        plain = gpt_layouts.layout_run(dist_run, "llama", "single")[0][0]
+        assert abs(expected[0] - plain[0]) > 1e-3, "the block's fields must change the model"
     for rank_losses in runs:
         torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(expected), rtol=1e-5, atol=0)
     assert len(expected) == 3 and expected[-1] < expected[0], f"the reference run must learn: {expected}"
