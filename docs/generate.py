@@ -300,6 +300,20 @@ NOTES = {
     "Gemma2ForCausalLM": ("sandwich (1 + w) RMSNorms, GeGLU, embeddings times sqrt(h), sliding/full `layer_types`, "
                           "attention and final logit soft-capping, `query_pre_attn_scalar`, any `head_dim`, tied",
                           "(tp, pp) = (1,1), (2,1), (1,2); training at tp2+SP, pp2, cp2 (Ulysses, ring), ZeRO-2"),
+    "Olmo2ForCausalLM": ("post-norm (`norm_placement: post`), q/k RMSNorm over the projection, any `head_dim`, "
+                         "`attention_bias` (q/k/v/o), tied or untied",
+                         "(tp, pp) = (1,1), (2,1), (1,2); greedy generation as transformers; training at tp2+SP, pp2, "
+                         "cp2 (Ulysses, ring), ZeRO-2"),
+    "Olmo3ForCausalLM": ("OLMo 2's block with sliding/full `layer_types`; RoPE parameters per layer type only when "
+                         "equal (else refused)", "(tp, pp) = (1,1), (2,1), (1,2); greedy generation as transformers"),
+    "GraniteForCausalLM": ("`embedding_multiplier`, `residual_multiplier`, `attention_multiplier` (the query scale), "
+                           "`logits_scaling` (fused LM head + loss too), `attention_bias` and `mlp_bias` apart",
+                           "(tp, pp) = (1,1), (2,1), (1,2); greedy generation as transformers; training (with NeoX's "
+                           "block) at tp2+SP, pp2, cp2 (Ulysses, ring), ZeRO-2"),
+    "GPTNeoXForCausalLM": ("per-head `query_key_value` as zoo's fused QKV, parallel or sequential residual, exact "
+                           "GELU, biases (`attention_bias` apart from the MLP's), untied `embed_out`; `rotary_pct` < 1 "
+                           "refused for now", "(tp, pp) = (1,1), (2,1), (1,2); greedy generation as transformers; "
+                           "training at tp2+SP, pp2, cp2 (Ulysses, ring), ZeRO-2"),
     "BertModel": ("no head; sentence-embedding (sentence-transformers) folders import; WordPiece files pass "
                   "through", "(tp, pp) = (2,2)"),
     "BertForMaskedLM": ("MLM head tied to the word embeddings", "(tp, pp) = (1,1), (2,1), (1,2), (2,2)"),

@@ -32,7 +32,8 @@ from zoo.convert.hf.gpt2 import table as gpt2_table
 from zoo.convert.hf.llama import table as llama_table
 from zoo.convert.hf.qwen3 import table as qwen3_table
 from zoo.convert.hub import resolve_hf_folder
-from zoo.convert.tables import blocks
+from zoo.convert.registry import ARCHITECTURES
+from zoo.convert.tables import blocks, rows_of
 from zoo.models.gpt import GPTConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,6 +41,7 @@ VOCAB = 300  # > the tokenizer's 290 entries; not a multiple of 128, so zoo pads
 EOS = 0  # the tokenizer's <|endoftext|>
 TOL = 1e-4
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, pp)
+BLOCK_TABLES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "GraniteForCausalLM", "GPTNeoXForCausalLM")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -113,6 +115,46 @@ def hf_gemma2(**overrides):
     return Gemma2ForCausalLM(Gemma2Config(**{**cfg, **overrides}))
 
 
+def hf_olmo2(arch="olmo2", **overrides):
+    """A tiny OLMo 2 (post-norm, q/k RMSNorm over the projection), head_dim 24 != 64 / 4, GQA, untied; OLMo 3 adds a
+    window of 5 (shorter than verify's sequence) on the layers layer_types marks."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM
+
+    config_cls, model_cls = {"olmo2": (Olmo2Config, Olmo2ForCausalLM), "olmo3": (Olmo3Config, Olmo3ForCausalLM)}[arch]
+    cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
+               bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS)
+    if arch == "olmo3":
+        cfg.update(sliding_window=5, layer_types=["sliding_attention", "full_attention"])
+    model = model_cls(config_cls(**{**cfg, **overrides}))
+    model.config.head_dim = overrides.get("head_dim", 24)  # read by the attention (no field in the config class)
+    return model_cls(model.config)
+
+
+def hf_granite(**overrides):
+    """A tiny Granite: all four multipliers away from 1 (the query scale apart from 1/sqrt(d)), attention biases
+    without MLP biases, GQA, untied."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
+               embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.5,
+               attention_bias=True, mlp_bias=False, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS)
+    return GraniteForCausalLM(GraniteConfig(**{**cfg, **overrides}))
+
+
+def hf_neox(**overrides):
+    """A tiny GPT-NeoX (Pythia's block: parallel residual, exact GELU, biases, untied embed_out), rotating whole
+    heads (rotary_pct 1: partial rotary comes with the RoPE work)."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               max_position_embeddings=64, layer_norm_eps=1e-5, tie_word_embeddings=False, use_parallel_residual=True,
+               rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
+               bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS)
+    return GPTNeoXForCausalLM(GPTNeoXConfig(**{**cfg, **overrides}))
+
+
 CASES = {
     "gpt2": lambda: hf_gpt2(),
     "llama-untied": lambda: hf_llama(tied=False),
@@ -129,11 +171,18 @@ CASES = {
     "mistral-window": lambda: hf_llama(arch="mistral", sliding_window=5),
     "qwen3": lambda: hf_llama(arch="qwen3", head_dim=24, use_sliding_window=True, sliding_window=5,
                               max_window_layers=1),
+    # The block features of tests/models/test_block_features.py: post-norm + q/k norm over the projection (OLMo 2; OLMo
+    # 3 with a window of 5 on its first layer), Granite's multipliers and attention biases, NeoX's parallel residual.
+    "olmo2": lambda: hf_olmo2(),
+    "olmo3": lambda: hf_olmo2("olmo3"),
+    "granite": lambda: hf_granite(),
+    "neox": lambda: hf_neox(),
 }
 LAYOUT_CASES = ["gpt2", "llama-untied", "llama-tied"]
 QWEN2_LAYOUTS = [(1, 1), (2, 2)]  # Qwen2 differs from Llama by its biases only: two layouts suffice
 GEMMA2_LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # sandwich norms under SP-free TP, the tied soft-capped head over PP
 WINDOW_CASES, WINDOW_LAYOUTS = ["mistral-window", "qwen3"], [(2, 1), (1, 2)]  # tp 1, pp 1: tests/convert/test_registry
+BLOCK_CASES = ["olmo2", "olmo3", "granite", "neox"]  # at WINDOW_LAYOUTS too (tp 1: test_registry)
 
 
 def save_hf(model, folder: Path, seed: int = 0, **kwargs) -> Path:
@@ -175,7 +224,8 @@ def assert_error(capsys, pattern: str, *argv) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama-untied", "llama-tied", "qwen2", "qwen2-tied", "qwen3", "gemma2"])
+@pytest.mark.parametrize("name", ["gpt2", "llama-untied", "llama-tied", "qwen2", "qwen2-tied", "qwen3", "gemma2",
+                                  *BLOCK_CASES])
 def test_tables_cover_the_checkpoint_and_invert(name):
     """Every HF tensor is read once, with the shape the table expects; to_hf(to_zoo(x)) gives x back exactly."""
     from zoo.convert.gpt import gpt_config_from_hf
@@ -186,7 +236,11 @@ def test_tables_cover_the_checkpoint_and_invert(name):
     table = {"GPT2LMHeadModel": gpt2_table, "Gemma2ForCausalLM": gemma2_table,
              "Qwen3ForCausalLM": qwen3_table}.get(arch, llama_table)(cfg)
     rows = [r for group in blocks(table, cfg.num_hidden_layers) for r in group]
+    if arch in BLOCK_TABLES:
+        rows = rows_of(ARCHITECTURES[arch].groups(cfg))
     state = hf.state_dict()
+    if arch == "GPTNeoXForCausalLM":  # transformers 5 holds embed_out as lm_head, saves it as embed_out
+        state["embed_out.weight"] = state.pop("lm_head.weight")
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     assert sorted(k for r in rows for k in r.hf) == sorted(state)
@@ -213,7 +267,7 @@ def test_verify_every_layout(hf_dirs, zoo_dirs, dist_run):
     """One pool of 4 ranks serves every layout (dp = 4 / (tp x pp) replicas; rank 0's replica is compared)."""
     for tp, pp in LAYOUTS:
         names = (LAYOUT_CASES + (["qwen2"] if (tp, pp) in QWEN2_LAYOUTS else [])
-                 + (WINDOW_CASES if (tp, pp) in WINDOW_LAYOUTS else [])
+                 + (WINDOW_CASES + BLOCK_CASES if (tp, pp) in WINDOW_LAYOUTS else [])
                  + (["gemma2"] if (tp, pp) in GEMMA2_LAYOUTS else []))
         pairs = [(str(hf_dirs[n]), str(zoo_dirs[n])) for n in names]
         per_rank = dist_run(4, verify_cases, pairs, tp, pp)
@@ -353,7 +407,8 @@ def hf_tensors(folder: Path) -> dict:
 @pytest.mark.parametrize("name,dtype,shard", [("gpt2", None, None), ("llama-untied", None, "40KB"),
                                               ("llama-tied", "bf16", None), ("qwen2", None, "40KB"),
                                               ("qwen2-tied", "bf16", None), ("mistral-window", None, None),
-                                              ("qwen3", None, "40KB")])
+                                              ("qwen3", None, "40KB"), ("olmo2", None, None),
+                                              ("olmo3", None, "40KB"), ("granite", "bf16", None), ("neox", None, None)])
 def test_round_trip_bit_exact_and_same_generation(name, dtype, shard, hf_dirs, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -453,7 +508,7 @@ def test_bad_input(hf_dirs, zoo_dirs, tmp_path, capsys):
     out = tmp_path / "out"
     supported = ("supported: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
                  "Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, "
-                 "Gemma2ForCausalLM, Bert")
+                 "Gemma2ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, GraniteForCausalLM, GPTNeoXForCausalLM, Bert")
     t5 = edited_copy(hf_dirs["gpt2"], tmp_path / "t5", architectures=["T5ForConditionalGeneration"], model_type="t5")
     assert_error(capsys, f"architecture T5ForConditionalGeneration is not supported; {supported}", "hf-to-zoo",
                  "--src", t5, "--out", out)

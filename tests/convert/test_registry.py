@@ -55,6 +55,11 @@ MODELS = {
     "Qwen3MoeForCausalLM": lambda: _randomized(moe_cases.hf_model("qwen3-moe")),
     "OlmoeForCausalLM": lambda: _randomized(moe_cases.hf_model("olmoe")),
     "Gemma2ForCausalLM": lambda: _randomized(gpt_cases.hf_gemma2()),
+    # post-norm, q/k norm over the projection, head_dim 24 != 64 / 4; OLMo 3 with a window on its first layer
+    "Olmo2ForCausalLM": lambda: _randomized(gpt_cases.hf_olmo2()),
+    "Olmo3ForCausalLM": lambda: _randomized(gpt_cases.hf_olmo2("olmo3")),
+    "GraniteForCausalLM": lambda: _randomized(gpt_cases.hf_granite()),  # four multipliers, q/k/v/o biases
+    "GPTNeoXForCausalLM": lambda: _randomized(gpt_cases.hf_neox()),  # parallel residual, exact GELU, biases
     "BertModel": lambda: bert_cases.hf_model("BertModel"),
     "BertForMaskedLM": lambda: bert_cases.hf_model("BertForMaskedLM"),
     "BertForPreTraining": lambda: bert_cases.hf_model("BertForPreTraining"),
@@ -68,6 +73,12 @@ VARIANTS = {
     "Qwen2ForCausalLM:no-window": lambda: _randomized(gpt_cases.hf_llama(arch="qwen2", use_sliding_window=False)),
     "Qwen3ForCausalLM:tied-no-window": lambda: _randomized(gpt_cases.hf_llama(arch="qwen3", tied=True, kv_heads=1,
                                                                               head_dim=16)),
+    "Olmo2ForCausalLM:bias-tied": lambda: _randomized(gpt_cases.hf_olmo2(attention_bias=True, tie_word_embeddings=True,
+                                                                        head_dim=16)),
+    "GraniteForCausalLM:mlp-bias": lambda: _randomized(gpt_cases.hf_granite(attention_bias=False, mlp_bias=True,
+                                                                            attention_multiplier=1.0)),
+    "GPTNeoXForCausalLM:sequential-no-attention-bias": lambda: _randomized(gpt_cases.hf_neox(
+        use_parallel_residual=False, attention_bias=False)),
 }
 
 
@@ -154,8 +165,20 @@ MIXED = ["sliding_attention", "full_attention"] * 2
     # Llama's blocks with one of Gemma 2's features: no class computes that either
     ({"norm_placement": "sandwich"}, None),
     ({"norm_weight_offset": 1.0}, None),
-    ({"embedding_multiplier": 8.0}, None),
     ({"final_logit_softcapping": 30.0}, None),
+    # OLMo 2 / 3, Granite and NeoX blocks (tests/models/test_block_features.py); plain Llama features otherwise
+    ({"norm_placement": "post", "qk_norm": "full"}, "Olmo2ForCausalLM"),
+    ({"norm_placement": "post", "qk_norm": "full", "sliding_window": 8, "layer_types": MIXED}, "Olmo3ForCausalLM"),
+    ({"residual_multiplier": 0.5}, "GraniteForCausalLM"),
+    ({"embedding_multiplier": 8.0}, "GraniteForCausalLM"),  # Granite's multipliers at 1 but this one
+    ({"attention_multiplier": 0.1, "add_bias": True, "mlp_bias": True}, "GraniteForCausalLM"),
+    ({"logits_scaling": 2.0}, "GraniteForCausalLM"),
+    ({"normalization": "layernorm", "activation": "gelu_exact", "num_key_value_heads": 4, "add_bias": True,
+      "use_parallel_residual": True}, "GPTNeoXForCausalLM"),
+    ({"norm_placement": "post"}, None),  # OLMo 2 always norms q and k
+    ({"use_parallel_residual": True}, None),  # a SwiGLU RMSNorm NeoX block: no class
+    ({"mlp_bias": True}, None),  # MLP biases alone are Granite's only with one of its multipliers
+    ({"logits_scaling": 2.0, "sliding_window": 8}, None),
 ])
 def test_export_class_by_features(fields, arch):
     """A zoo GPT exports as the first registered class whose ``exports`` takes it: windows go to Mistral (every

@@ -89,9 +89,12 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
     position_embedding_type: str = "learned"  # "learned" (GPT-2) | "rope" (Llama)
     normalization: str = "layernorm"  # "layernorm" | "rmsnorm"
     norm_eps: float = 1e-5
-    activation: str = "gelu"  # "gelu" (tanh approximation, GPT-2's gelu_new) | "swiglu" | "geglu" (tanh GELU gate)
+    # "gelu" (tanh approximation, GPT-2's gelu_new) | "gelu_exact" (erf: HF's "gelu", NeoX) | "swiglu" | "geglu"
+    # (tanh GELU gate)
+    activation: str = "gelu"
     add_bias: bool = True  # biases in every linear layer
     qkv_bias: bool | None = None  # a bias on the fused QKV projection; None: = add_bias (True, add_bias False: Qwen2)
+    mlp_bias: bool | None = None  # biases of the dense MLP's fc1 and fc2; None: = add_bias (NeoX: attention apart)
     tie_word_embeddings: bool = True
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # {"rope_type": "linear", "factor": f} | {"rope_type": "llama3", ...}
@@ -109,7 +112,14 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
     # Block and head variants (Gemma 2). Every norm (blocks, final, q/k) scales by (norm_weight_offset + w), its w
     # initialised to 1 - offset: Gemma's RMSNorm is x (1 + w) with w = 0 at init.
     norm_weight_offset: float = 0.0
-    norm_placement: str = "pre"  # "pre": x + f(norm(x)) | "sandwich": x + norm(f(norm(x))) (Gemma 2/3)
+    # "pre": x + f(norm(x)) | "sandwich": x + norm(f(norm(x))) (Gemma 2/3) | "post": x + norm(f(x)) (OLMo 2)
+    norm_placement: str = "pre"
+    use_parallel_residual: bool = False  # NeoX: x + attn(norm1(x)) + mlp(norm2(x)), both sublayers read x
+    # Granite (HF names): x + m f(...) for both sublayers; the scores' scale itself (instead of 1/sqrt(d)); logits
+    # divided by logits_scaling (the fused LM head + loss divides its input instead: the same product).
+    residual_multiplier: float | None = None
+    attention_multiplier: float | None = None
+    logits_scaling: float | None = None
     embedding_multiplier: float | None = None  # token embeddings times this, cast to their dtype (Gemma: sqrt(h))
     final_logit_softcapping: float | None = None  # Gemma 2: logits = c tanh(logits / c)
     # Mixture of experts (zoo.models.moe; HF names). Defaults: a dense model. Which layers: is_moe_layer().
@@ -185,10 +195,18 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
             need(w is not None or "sliding_attention" not in types,
                  "layer_types has 'sliding_attention' layers but sliding_window is null; set sliding_window")
         for name in ("attn_logit_softcapping", "query_pre_attn_scalar", "final_logit_softcapping",
-                     "embedding_multiplier"):
+                     "embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
             value = getattr(self, name)
             need(value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0),
                  f"{name} must be a positive number or null, got {value!r}")
+        need(self.query_pre_attn_scalar is None or self.attention_multiplier is None,
+             "query_pre_attn_scalar and attention_multiplier both set the scores' scale; set one of them")
+        need(self.mlp_bias is None or isinstance(self.mlp_bias, bool),
+             f"mlp_bias must be true, false or null (= add_bias), got {self.mlp_bias!r}")
+        need(isinstance(self.use_parallel_residual, bool),
+             f"use_parallel_residual must be true or false, got {self.use_parallel_residual!r}")
+        need(not self.use_parallel_residual or self.norm_placement == "pre",
+             f"use_parallel_residual needs norm_placement 'pre' (NeoX's), got {self.norm_placement!r}")
 
     def _validate_moe(self, need) -> None:
         E, k = self.num_experts, self.num_experts_per_tok
@@ -208,6 +226,8 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
              f"topk_group {self.topk_group} groups of {E // self.n_group} experts hold fewer than "
              f"num_experts_per_tok {k}")
         need(self.activation != "geglu", "MoE layers have no GeGLU experts; use activation 'swiglu' or 'gelu'")
+        need(self.activation != "gelu_exact", "MoE layers have tanh-GELU experts only; use activation 'swiglu' or "
+             "'gelu'")
         need(not self.add_bias, "MoE layers have no biases (as in every HF MoE model): set add_bias=False "
              "(qkv_bias may stay)")
         need(self.num_shared_experts >= 0, f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
@@ -226,7 +246,10 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
 
     @property
     def attention_scale(self) -> float | None:
-        """The scores' scale: ``query_pre_attn_scalar^-1/2``, or None (the kernels' 1/sqrt(head_dim))."""
+        """The scores' scale: ``attention_multiplier``, ``query_pre_attn_scalar^-1/2``, or None (the kernels'
+        1/sqrt(head_dim))."""
+        if self.attention_multiplier is not None:
+            return float(self.attention_multiplier)
         return None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5
 
     @property
@@ -238,6 +261,11 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
     def use_qkv_bias(self) -> bool:
         """Whether the fused QKV projection has a bias (``qkv_bias``, or ``add_bias`` when that is None)."""
         return self.add_bias if self.qkv_bias is None else self.qkv_bias
+
+    @property
+    def use_mlp_bias(self) -> bool:
+        """Whether the dense MLP's fc1 and fc2 have biases (``mlp_bias``, or ``add_bias`` when that is None)."""
+        return self.add_bias if self.mlp_bias is None else self.mlp_bias
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether block i has a mixture of experts (else the dense MLP): DeepSeek's first_k_dense_replace and
@@ -275,6 +303,7 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
         norm = h * (2 if self.normalization == "layernorm" else 1)
         block_norms = 4 if self.norm_placement == "sandwich" else 2
         attn = h * (nq + 2 * nkv) * d + nq * d * h + self.use_qkv_bias * (nq + 2 * nkv) * d + bias * h
+        bias = self.use_mlp_bias
         attn += {None: 0, "head": 2 * d, "full": (nq + nkv) * d}[self.qk_norm]
         per_h = 3 if self.gated_mlp else 2  # weights per (hidden, intermediate) pair
         mlp = per_h * h * f + bias * ((2 * f if self.gated_mlp else f) + h)
@@ -312,9 +341,10 @@ _ADDED_FIELDS = ("qkv_bias", "qk_norm", "num_experts", "num_experts_per_tok", "m
                  "router_aux_loss_coef", "router_aux_loss_type", "router_z_loss_coef", "capacity_factor")
 _ADDED_FIELDS += ("sliding_window", "layer_types", "attn_logit_softcapping", "query_pre_attn_scalar")
 _ADDED_FIELDS += ("norm_weight_offset", "norm_placement", "embedding_multiplier", "final_logit_softcapping")
-ACTIVATIONS = ("gelu", "swiglu", "geglu")
+_ADDED_FIELDS += ("mlp_bias", "use_parallel_residual", "residual_multiplier", "attention_multiplier", "logits_scaling")
+ACTIVATIONS = ("gelu", "gelu_exact", "swiglu", "geglu")
 GATED_ACTIVATIONS = {"swiglu": F.silu, "geglu": functools.partial(F.gelu, approximate="tanh")}  # the gate's function
-NORM_PLACEMENTS = ("pre", "sandwich")
+NORM_PLACEMENTS = ("pre", "sandwich", "post")
 LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's names
 
 _LLAMA = dict(position_embedding_type="rope", normalization="rmsnorm", activation="swiglu", add_bias=False)
@@ -669,18 +699,20 @@ class GPTAttention(nn.Module):
 
 
 class GPTMLP(nn.Module):
-    """GELU: fc2(gelu(fc1 x)). SwiGLU: fc2(silu(gate x) * up x), GeGLU the same with tanh-GELU for silu; gate and
-    up fused in one column-parallel weight ``[gate; up]`` split with stride 2, so each rank holds matching halves."""
+    """GELU: fc2(gelu(fc1 x)), tanh-approximate ("gelu") or exact ("gelu_exact"). SwiGLU: fc2(silu(gate x) * up x),
+    GeGLU the same with tanh-GELU for silu; gate and up fused in one column-parallel weight ``[gate; up]`` split with
+    stride 2, so each rank holds matching halves. Biases where ``config.use_mlp_bias``."""
 
     def __init__(self, config: GPTConfig, par: ParallelOptions, output_init):
         super().__init__()
         h, f = config.hidden_size, config.intermediate_size
         self.gate_fn = GATED_ACTIVATIONS.get(config.activation)  # None: plain GELU
-        gated = self.gate_fn is not None
-        self.fc1 = ColumnParallelLinear(h, 2 * f if gated else f, bias=config.add_bias, stride=2 if gated else 1,
+        self.approximate = "none" if config.activation == "gelu_exact" else "tanh"
+        gated, bias = self.gate_fn is not None, config.use_mlp_bias
+        self.fc1 = ColumnParallelLinear(h, 2 * f if gated else f, bias=bias, stride=2 if gated else 1,
                                         init_method=init_method_normal(config.initializer_range),
                                         sequence_parallel=par.sequence_parallel, tp_group=par.tp_group)
-        self.fc2 = RowParallelLinear(f, h, bias=config.add_bias, input_is_parallel=True, init_method=output_init,
+        self.fc2 = RowParallelLinear(f, h, bias=bias, input_is_parallel=True, init_method=output_init,
                                      sequence_parallel=par.sequence_parallel, tp_group=par.tp_group)
 
     def forward(self, x):
@@ -689,7 +721,7 @@ class GPTMLP(nn.Module):
             gate, up = h.chunk(2, dim=-1)
             h = self.gate_fn(gate) * up
         else:
-            h = F.gelu(h, approximate="tanh")
+            h = F.gelu(h, approximate=self.approximate)
         return self.fc2(h)
 
 
@@ -768,13 +800,16 @@ def _parallel_logits(hidden, weight, par: ParallelOptions, config: GPTConfig):
         hidden = gather_from_sequence_parallel_region(hidden, par.tp_group, tensor_parallel_output_grad=True)
     else:
         hidden = copy_to_tensor_model_parallel_region(hidden, par.tp_group)
-    if par.fused_cross_entropy:
-        return LMHeadInputs(hidden, weight)
+    if par.fused_cross_entropy:  # (hidden / s) W^T = (hidden W^T) / s: logits_scaling rides on the GEMM's input
+        return LMHeadInputs(hidden if config.logits_scaling is None else hidden / config.logits_scaling, weight)
     return softcap_logits(F.linear(hidden, weight), config)
 
 
 def softcap_logits(logits, config: GPTConfig):
-    """``final_logit_softcapping`` c: logits = c tanh(logits / c), elementwise, so a vocab shard caps its own."""
+    """``logits_scaling`` s (Granite): logits / s; then ``final_logit_softcapping`` c: logits = c tanh(logits / c);
+    elementwise, so a vocab shard scales and caps its own."""
+    if config.logits_scaling is not None:
+        logits = logits / config.logits_scaling
     c = config.final_logit_softcapping
     return logits if c is None else c * torch.tanh(logits / c)
 
@@ -801,27 +836,39 @@ class GPTBlock(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)); ``[b, s(/tp), h]`` in and out. The
     mlp is a mixture of experts (:class:`zoo.models.moe.GPTMoE`) where ``config.is_moe_layer(layer_idx)``.
     ``norm_placement="sandwich"`` (Gemma 2) norms each sublayer's output too, before the residual add
-    (``attention_output_norm``, ``mlp_output_norm``; with SP on the sequence shard, as the other norms)."""
+    (``attention_output_norm``, ``mlp_output_norm``; with SP on the sequence shard, as the other norms); "post"
+    (OLMo 2) norms only the outputs: x + norm(attn(x)), then x + norm(mlp(x)) (no ``input_norm`` /
+    ``post_attention_norm``). ``use_parallel_residual`` (NeoX): x + attn(norm1(x)) + mlp(norm2(x)), the MLP reading
+    the block's input. ``residual_multiplier`` m (Granite) scales each sublayer's output before its add."""
 
     def __init__(self, config: GPTConfig, par: ParallelOptions, layer_idx: int):
         super().__init__()
         self.config, self.par, self.layer_idx = config, par, layer_idx
         output_init = scaled_init_method_normal(config.initializer_range, config.num_hidden_layers)
-        self.input_norm = Norm(config, par)
+        pre = config.norm_placement != "post"  # the sublayers' input norms
+        self.input_norm = Norm(config, par) if pre else nn.Identity()
         self.attention = GPTAttention(config, par, output_init, layer_idx)
-        self.post_attention_norm = Norm(config, par)
+        self.post_attention_norm = Norm(config, par) if pre else nn.Identity()
         if config.is_moe_layer(layer_idx):
             self.mlp = GPTMoE(config, par, output_init)
         else:
             self.mlp = GPTMLP(config, par, output_init)
-        sandwich = config.norm_placement == "sandwich"
-        self.attention_output_norm = Norm(config, par) if sandwich else nn.Identity()
-        self.mlp_output_norm = Norm(config, par) if sandwich else nn.Identity()
+        output = config.norm_placement in ("sandwich", "post")  # the sublayers' output norms
+        self.attention_output_norm = Norm(config, par) if output else nn.Identity()
+        self.mlp_output_norm = Norm(config, par) if output else nn.Identity()
+
+    def _residual(self, out):
+        """A sublayer's output as added to the residual stream: dropout, times ``residual_multiplier``."""
+        out = _dropout(out, self.config.hidden_dropout, self.training, self.par.sequence_parallel)
+        m = self.config.residual_multiplier
+        return out if m is None else out * m
 
     def forward(self, x):
-        p, sp = self.config.hidden_dropout, self.par.sequence_parallel
-        x = x + _dropout(self.attention_output_norm(self.attention(self.input_norm(x))), p, self.training, sp)
-        return x + _dropout(self.mlp_output_norm(self.mlp(self.post_attention_norm(x))), p, self.training, sp)
+        attn = self._residual(self.attention_output_norm(self.attention(self.input_norm(x))))
+        if self.config.use_parallel_residual:  # NeoX: both sublayers read x; one sum (HF's order: mlp + attn + x)
+            return self._residual(self.mlp_output_norm(self.mlp(self.post_attention_norm(x)))) + attn + x
+        x = x + attn
+        return x + self._residual(self.mlp_output_norm(self.mlp(self.post_attention_norm(x))))
 
 
 class GPTFinalNorm(Norm):

@@ -113,7 +113,7 @@ def block_tensors(c, i: int, tp: int, ep: int = 1) -> tuple[list[int], list[int]
     else:
         f = c.intermediate_size
         fc1_out = 2 * f if swiglu else f
-        dense += [fc1_out * h // tp] + [fc1_out // tp] * c.add_bias + [h * f // tp] + [h] * c.add_bias
+        dense += [fc1_out * h // tp] + [fc1_out // tp] * c.use_mlp_bias + [h * f // tp] + [h] * c.use_mlp_bias
     return dense, expert
 
 

@@ -215,10 +215,18 @@ def universal_checkpoint_info(model_cfg) -> dict:
     L = model_cfg.num_hidden_layers
     dense = any(not model_cfg.is_moe_layer(i) for i in range(L))
     moe = model_cfg.num_experts > 0
-    replicated = [r"\d+\.input_norm\.", r"\d+\.post_attention_norm\.", rf"{L + 1}\.weight"]
+    placement = model_cfg.norm_placement  # "post": output norms only; "sandwich": both
+    replicated = [rf"{L + 1}\.weight"]
+    if placement != "post":
+        replicated += [r"\d+\.input_norm\.", r"\d+\.post_attention_norm\."]
+    if placement != "pre":
+        replicated += [r"\d+\.attention_output_norm\.", r"\d+\.mlp_output_norm\."]
+    if model_cfg.normalization == "layernorm":
+        replicated.append(rf"{L + 1}\.bias")
     if model_cfg.add_bias:
-        replicated += [r"\d+\.attention\.dense\.bias", rf"{L + 1}\.bias"]
-        replicated += [r"\d+\.mlp\.fc2\.bias"] if dense else []
+        replicated.append(r"\d+\.attention\.dense\.bias")
+    if model_cfg.use_mlp_bias and dense:
+        replicated.append(r"\d+\.mlp\.fc2\.bias")
     if model_cfg.qk_norm == "head":
         replicated.append(r"\d+\.attention\.[qk]_norm\.weight")
     if moe:
@@ -239,7 +247,7 @@ def universal_checkpoint_info(model_cfg) -> dict:
     }
     if model_cfg.gated_mlp and dense:
         info["parameter_with_2_sub_params_cat_dim_0"] = [r"\d+\.mlp\.fc1\.weight"] + \
-            ([r"\d+\.mlp\.fc1\.bias"] if model_cfg.add_bias else [])
+            ([r"\d+\.mlp\.fc1\.bias"] if model_cfg.use_mlp_bias else [])
     if model_cfg.tie_word_embeddings:
         info["pipeline_replicated_parameter_patterns"] = [r"tied_modules\.embed\."]
     return info

@@ -29,3 +29,11 @@ def zoo_config(cls, fields: dict):
 def hf_special(special: dict) -> dict:
     """The bos / eos / pad ids for an HF config (None where the zoo folder kept none)."""
     return {k: special.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+
+
+def plain_block(cfg) -> bool:
+    """A zoo GPT without the block features only OLMo 2 (post-norm), GPT-NeoX (parallel residual, exact GELU, MLP
+    biases apart from the attention's) and Granite (the multipliers) have: what the other classes' ``exports`` need."""
+    return (cfg.norm_placement != "post" and not cfg.use_parallel_residual and cfg.activation != "gelu_exact"
+            and cfg.use_mlp_bias == cfg.add_bias and cfg.residual_multiplier is None
+            and cfg.attention_multiplier is None and cfg.logits_scaling is None)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from zoo.convert.hf.common import hf_special, refusal, zoo_config
+from zoo.convert.hf.common import hf_special, plain_block, refusal, zoo_config
 from zoo.convert.registry import Architecture
 from zoo.convert.tables import Row, blocks, qkv_groups, qkv_ungroup, same, transpose
 from zoo.models.gpt import FAMILY, GPTConfig
@@ -98,8 +98,9 @@ def to_zoo(c) -> GPTConfig:
 
 
 def exports(cfg: GPTConfig) -> bool:
-    return not cfg.num_experts and (cfg.position_embedding_type, cfg.normalization, cfg.activation, cfg.add_bias,
-                                    cfg.use_qkv_bias) == ("learned", "layernorm", "gelu", True, True)
+    return not cfg.num_experts and plain_block(cfg) and (
+        cfg.position_embedding_type, cfg.normalization, cfg.activation, cfg.add_bias, cfg.use_qkv_bias) == (
+        "learned", "layernorm", "gelu", True, True)
 
 
 def to_hf(cfg: GPTConfig, dtype: torch.dtype, special: dict):

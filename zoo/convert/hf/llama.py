@@ -17,7 +17,7 @@ from functools import partial
 import torch
 
 from zoo.convert.errors import ConvertError
-from zoo.convert.hf.common import hf_special, refusal, zoo_config
+from zoo.convert.hf.common import hf_special, plain_block, refusal, zoo_config
 from zoo.convert.hf.gpt2 import embed_prefix, head_rows
 from zoo.convert.registry import Architecture
 from zoo.convert.tables import (
@@ -151,7 +151,7 @@ def to_zoo(c, *, arch: str = NAME, qkv_bias: bool = False, windows=no_window, **
 def is_llama(cfg: GPTConfig, qkv_bias: bool = False, qk_norm: str | None = None) -> bool:
     """A dense zoo GPT with Llama's features (and q/k/v biases or not, q/k norm or not), any windows; the scores
     scaled and uncapped as Llama's, plain pre-norm RMSNorms, unscaled embeddings and uncapped logits."""
-    return (not cfg.num_experts and cfg.qk_norm == qk_norm and cfg.attn_logit_softcapping is None
+    return (not cfg.num_experts and cfg.qk_norm == qk_norm and cfg.attn_logit_softcapping is None and plain_block(cfg)
             and cfg.query_pre_attn_scalar is None and cfg.norm_weight_offset == 0.0 and cfg.norm_placement == "pre"
             and cfg.embedding_multiplier is None and cfg.final_logit_softcapping is None
             and (cfg.position_embedding_type, cfg.normalization, cfg.activation, cfg.add_bias, cfg.use_qkv_bias)

@@ -43,7 +43,7 @@ from functools import partial
 
 from zoo.convert.errors import ConvertError
 from zoo.convert.hf import llama
-from zoo.convert.hf.common import refusal, zoo_config
+from zoo.convert.hf.common import plain_block, refusal, zoo_config
 from zoo.convert.registry import ARCHITECTURES, Architecture
 from zoo.convert.tables import (
     Row,
@@ -228,6 +228,7 @@ def check_export(arch: str, rules, cfg: GPTConfig) -> None:
     ``rules(cfg)`` -> [(ok, what the class needs)], besides what every MoE class needs."""
     common = [(cfg.position_embedding_type == "rope" and cfg.normalization == "rmsnorm" and cfg.activation == "swiglu"
                and not cfg.add_bias, "RoPE, RMSNorm, SwiGLU and no biases"),
+              (plain_block(cfg), "pre-norm sequential blocks without multipliers (no OLMo 2 / NeoX / Granite block)"),
               (cfg.scoring_func == "softmax" and cfg.n_group == 1 and not cfg.moe_expert_bias
                and cfg.routed_scaling_factor == 1.0, "softmax routing without groups, bias or scaling (DeepSeek's)")]
     broken = [what for ok, what in common + rules(cfg) if not ok]
