@@ -113,6 +113,50 @@ def hf_gemma2(**overrides):
     return Gemma2ForCausalLM(Gemma2Config(**{**cfg, **overrides}))
 
 
+def hf_smollm3(**overrides):
+    """A tiny SmolLM3: NoPE on layers 1 and 3, a window of 5 on layer 1 only, head_dim 24 != 64 / 4, tied."""
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=24, max_position_embeddings=64, rms_norm_eps=1e-6,
+               no_rope_layers=[1, 0, 1, 0], use_sliding_window=True, sliding_window=5,
+               layer_types=["full_attention", "sliding_attention", "full_attention", "full_attention"],
+               rope_parameters={"rope_type": "default", "rope_theta": 5000.0}, tie_word_embeddings=True,
+               bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS)
+    return SmolLM3ForCausalLM(SmolLM3Config(**{**cfg, **overrides}))
+
+
+# Phi-3's LongRoPE on the tiny shape: 4 factors (rotary dim 8 = head_dim 16 x 0.5), switching at 8 positions.
+PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.3, 2.1, 3.7],
+             "long_factor": [1.1, 2.5, 6.0, 14.0]}
+
+
+def hf_phi3(**overrides):
+    """A tiny Phi-3 / Phi-4-mini: fused qkv_proj and gate_up_proj, GQA, LongRoPE switching at 8 positions (shorter
+    than verify's 16 tokens), partial_rotary_factor 0.5, untied."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, original_max_position_embeddings=8,
+               rms_norm_eps=1e-6, partial_rotary_factor=0.5, rope_parameters=dict(PHI3_ROPE),
+               tie_word_embeddings=False, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS)
+    return Phi3ForCausalLM(Phi3Config(**{**cfg, **overrides}))
+
+
+def hf_gemma3(**overrides):
+    """A tiny Gemma 3 text model: Gemma 2's block (head_dim 24, window 5 on alternate layers, query_pre_attn_scalar
+    20) with per-head q/k norm; full layers theta 1e6 with linear scaling 4, sliding ones theta 1e4."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=24, max_position_embeddings=64, rms_norm_eps=1e-6, sliding_window=5,
+               layer_types=["sliding_attention", "full_attention"] * 2, query_pre_attn_scalar=20,
+               rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+               bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS, attn_implementation="eager")
+    return Gemma3ForCausalLM(Gemma3TextConfig(**{**cfg, **overrides}))
+
+
 CASES = {
     "gpt2": lambda: hf_gpt2(),
     "llama-untied": lambda: hf_llama(tied=False),
@@ -129,11 +173,16 @@ CASES = {
     "mistral-window": lambda: hf_llama(arch="mistral", sliding_window=5),
     "qwen3": lambda: hf_llama(arch="qwen3", head_dim=24, use_sliding_window=True, sliding_window=5,
                               max_window_layers=1),
+    # RoPE variants (zoo.models.rope): NoPE layers, LongRoPE + partial rotary, per-layer-type theta.
+    "smollm3": lambda: hf_smollm3(),
+    "phi3": lambda: hf_phi3(),
+    "gemma3": lambda: hf_gemma3(),
 }
 LAYOUT_CASES = ["gpt2", "llama-untied", "llama-tied"]
 QWEN2_LAYOUTS = [(1, 1), (2, 2)]  # Qwen2 differs from Llama by its biases only: two layouts suffice
 GEMMA2_LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # sandwich norms under SP-free TP, the tied soft-capped head over PP
 WINDOW_CASES, WINDOW_LAYOUTS = ["mistral-window", "qwen3"], [(2, 1), (1, 2)]  # tp 1, pp 1: tests/convert/test_registry
+ROPE_CASES, ROPE_LAYOUTS = ["smollm3", "phi3", "gemma3"], [(2, 1), (1, 2)]  # tp 1, pp 1: tests/convert/test_registry
 
 
 def save_hf(model, folder: Path, seed: int = 0, **kwargs) -> Path:
@@ -214,7 +263,8 @@ def test_verify_every_layout(hf_dirs, zoo_dirs, dist_run):
     for tp, pp in LAYOUTS:
         names = (LAYOUT_CASES + (["qwen2"] if (tp, pp) in QWEN2_LAYOUTS else [])
                  + (WINDOW_CASES if (tp, pp) in WINDOW_LAYOUTS else [])
-                 + (["gemma2"] if (tp, pp) in GEMMA2_LAYOUTS else []))
+                 + (["gemma2"] if (tp, pp) in GEMMA2_LAYOUTS else [])
+                 + (ROPE_CASES if (tp, pp) in ROPE_LAYOUTS else []))
         pairs = [(str(hf_dirs[n]), str(zoo_dirs[n])) for n in names]
         per_rank = dist_run(4, verify_cases, pairs, tp, pp)
         assert all(r == per_rank[0] for r in per_rank)  # every rank returns rank 0's number
