@@ -503,7 +503,7 @@ def test_bad_input(hf_dirs, zoo_dirs, tmp_path, capsys):
     out = tmp_path / "out"
     supported = ("supported: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
                  "Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, "
-                 "Gemma2ForCausalLM, Bert")
+                 "Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM, SmolLM3ForCausalLM, Bert")
     t5 = edited_copy(hf_dirs["gpt2"], tmp_path / "t5", architectures=["T5ForConditionalGeneration"], model_type="t5")
     assert_error(capsys, f"architecture T5ForConditionalGeneration is not supported; {supported}", "hf-to-zoo",
                  "--src", t5, "--out", out)

@@ -55,6 +55,9 @@ MODELS = {
     "Qwen3MoeForCausalLM": lambda: _randomized(moe_cases.hf_model("qwen3-moe")),
     "OlmoeForCausalLM": lambda: _randomized(moe_cases.hf_model("olmoe")),
     "Gemma2ForCausalLM": lambda: _randomized(gpt_cases.hf_gemma2()),
+    "Gemma3ForCausalLM": lambda: _randomized(gpt_cases.hf_gemma3()),
+    "Phi3ForCausalLM": lambda: _randomized(gpt_cases.hf_phi3()),
+    "SmolLM3ForCausalLM": lambda: _randomized(gpt_cases.hf_smollm3()),
     "BertModel": lambda: bert_cases.hf_model("BertModel"),
     "BertForMaskedLM": lambda: bert_cases.hf_model("BertForMaskedLM"),
     "BertForPreTraining": lambda: bert_cases.hf_model("BertForPreTraining"),
@@ -68,6 +71,15 @@ VARIANTS = {
     "Qwen2ForCausalLM:no-window": lambda: _randomized(gpt_cases.hf_llama(arch="qwen2", use_sliding_window=False)),
     "Qwen3ForCausalLM:tied-no-window": lambda: _randomized(gpt_cases.hf_llama(arch="qwen3", tied=True, kv_heads=1,
                                                                               head_dim=16)),
+    # Llama reads and writes YaRN (its attention factor from mscale / mscale_all_dim) and LongRoPE (switching at 8
+    # positions, inside verify's 16), both past their original length here.
+    "LlamaForCausalLM:yarn": lambda: _randomized(gpt_cases.hf_llama(rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+        "beta_fast": 16.0, "mscale": 1.2, "mscale_all_dim": 0.7})),
+    "LlamaForCausalLM:longrope": lambda: _randomized(gpt_cases.hf_llama(rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 8,
+        "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0], "long_factor": [1.0, 2.0, 3.0, 5.0, 8.0, 12.0, 16.0,
+                                                                                20.0]})),
 }
 
 
@@ -156,6 +168,12 @@ MIXED = ["sliding_attention", "full_attention"] * 2
     ({"norm_weight_offset": 1.0}, None),
     ({"embedding_multiplier": 8.0}, None),
     ({"final_logit_softcapping": 30.0}, None),
+    # RoPE variants: NoPE layers go to SmolLM3, a partial rotary factor to Phi-3 (not with linear scaling); a local
+    # theta needs Gemma 3's block
+    ({"no_rope_layers": [1, 0, 1, 1]}, "SmolLM3ForCausalLM"),
+    ({"partial_rotary_factor": 0.5}, "Phi3ForCausalLM"),
+    ({"partial_rotary_factor": 0.5, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}, None),
+    ({"rope_local_base_freq": 1e4, "sliding_window": 8, "layer_types": MIXED}, None),
 ])
 def test_export_class_by_features(fields, arch):
     """A zoo GPT exports as the first registered class whose ``exports`` takes it: windows go to Mistral (every
