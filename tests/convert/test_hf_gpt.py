@@ -1,9 +1,10 @@
-"""HuggingFace <-> zoo for GPT-2, Llama, Mistral, Qwen2 and Qwen3: logits equal at every layout, round trips
-bit-exact.
+"""HuggingFace <-> zoo for GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma 2, SmolLM3, Phi-3 and Gemma 3: logits equal
+at every layout, round trips bit-exact.
 
 Small random HF models (with a tiny byte-level BPE tokenizer) are saved in a temporary folder, imported with
 ``hf_to_zoo`` and checked with ``verify`` in one 4-rank gloo pool at (tp, pp) in {(1,1), (2,1), (1,2), (2,2)}
-(Qwen2 at (1,1) and (2,2); a windowed Mistral and a windowed Qwen3 at (2,1) and (1,2));
+(Qwen2 at (1,1) and (2,2); a windowed Mistral and a windowed Qwen3 at (2,1) and (1,2), and so the RoPE variants:
+SmolLM3's NoPE layers, Phi-3's LongRoPE with partial rotary, Gemma 3's theta per layer type);
 one torchrun run of ``launch/convert.py verify`` at tp=3 (a 9-query, 3-key-value-head model) checks the command
 end to end.
 """
@@ -28,8 +29,10 @@ from zoo.convert.cli import main
 from zoo.convert.errors import ConvertError
 from zoo.convert.gpt import check_hf, hf_to_zoo
 from zoo.convert.hf.gemma2 import table as gemma2_table
+from zoo.convert.hf.gemma3 import table as gemma3_table
 from zoo.convert.hf.gpt2 import table as gpt2_table
 from zoo.convert.hf.llama import table as llama_table
+from zoo.convert.hf.phi3 import table as phi3_table
 from zoo.convert.hf.qwen3 import table as qwen3_table
 from zoo.convert.hub import resolve_hf_folder
 from zoo.convert.tables import blocks
@@ -224,7 +227,8 @@ def assert_error(capsys, pattern: str, *argv) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama-untied", "llama-tied", "qwen2", "qwen2-tied", "qwen3", "gemma2"])
+@pytest.mark.parametrize("name", ["gpt2", "llama-untied", "llama-tied", "qwen2", "qwen2-tied", "qwen3", "gemma2",
+                                  "smollm3", "phi3", "gemma3"])
 def test_tables_cover_the_checkpoint_and_invert(name):
     """Every HF tensor is read once, with the shape the table expects; to_hf(to_zoo(x)) gives x back exactly."""
     from zoo.convert.gpt import gpt_config_from_hf
@@ -232,8 +236,8 @@ def test_tables_cover_the_checkpoint_and_invert(name):
     hf = CASES[name]()
     arch = type(hf).__name__
     cfg = gpt_config_from_hf(arch, hf.config)
-    table = {"GPT2LMHeadModel": gpt2_table, "Gemma2ForCausalLM": gemma2_table,
-             "Qwen3ForCausalLM": qwen3_table}.get(arch, llama_table)(cfg)
+    table = {"GPT2LMHeadModel": gpt2_table, "Gemma2ForCausalLM": gemma2_table, "Qwen3ForCausalLM": qwen3_table,
+             "Gemma3ForCausalLM": gemma3_table, "Phi3ForCausalLM": phi3_table}.get(arch, llama_table)(cfg)
     rows = [r for group in blocks(table, cfg.num_hidden_layers) for r in group]
     state = hf.state_dict()
     if cfg.tie_word_embeddings:
@@ -403,7 +407,8 @@ def hf_tensors(folder: Path) -> dict:
 @pytest.mark.parametrize("name,dtype,shard", [("gpt2", None, None), ("llama-untied", None, "40KB"),
                                               ("llama-tied", "bf16", None), ("qwen2", None, "40KB"),
                                               ("qwen2-tied", "bf16", None), ("mistral-window", None, None),
-                                              ("qwen3", None, "40KB")])
+                                              ("qwen3", None, "40KB"), ("smollm3", None, None),
+                                              ("phi3", "bf16", "40KB"), ("gemma3", None, None)])
 def test_round_trip_bit_exact_and_same_generation(name, dtype, shard, hf_dirs, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -265,6 +265,7 @@ def test_nope_partial_rotary_model_trains_alike(dist_run, tmp_path_factory, layo
         runs = dist_run(world, cp_layouts.train_case, "llama", overrides + extra, str(tmp_path_factory.mktemp(layout)))
     else:
         expected = gpt_layouts.layout_run(dist_run, "llama", "single", SMOL)[0][0]
+        assert expected != gpt_layouts.reference(dist_run, "llama"), "NoPE and partial rotary change the run"
         runs = gpt_layouts.layout_run(dist_run, "llama", layout, SMOL)[0]
     for rank_losses in runs:
         torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(expected), rtol=1e-5, atol=0)
