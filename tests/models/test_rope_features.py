@@ -249,14 +249,18 @@ def test_longrope_generation_encodes_the_prefix_again_at_the_switch(monkeypatch)
 
 # On the layout tests' tiny Llama (4 layers, head_dim 16): NoPE on layers 1 and 3, half of each head rotating.
 SMOL = ["model.no_rope_layers=[1,0,1,0]", "model.partial_rotary_factor=0.5"]
+# Under CP also LongRoPE switching at 160 positions: between a rank's 128 and the sequence's 256, so a rank choosing
+# its factor set by its own length (not the global one) would train another model; its attention factor given.
+LONGROPE_CP = ("model.rope_scaling={rope_type: longrope, original_max_position_embeddings: 160, attention_factor: 1.1, "
+               "short_factor: [1.0, 1.5, 2.0, 3.0], long_factor: [1.0, 3.0, 6.0, 12.0]}")
 LAYOUTS = ["tp2-sp", "pp2", "dp2-zero2", "cp2-ulysses", "cp2-ring"]
 _reference = {}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_nope_partial_rotary_model_trains_alike(dist_run, tmp_path_factory, layout):
-    if layout.startswith("cp"):  # 256 tokens over 2 ranks: the global positions index the tables
-        extra = [*SMOL, "training.steps=3"]
+    if layout.startswith("cp"):  # 256 tokens over 2 ranks: the global positions and length pick the tables' rows
+        extra = [*SMOL, LONGROPE_CP, "training.steps=3"]
         if "cp" not in _reference:
             _reference["cp"] = dist_run(1, cp_layouts.train_case, "llama", extra,
                                         str(tmp_path_factory.mktemp("ref")))[0]
