@@ -280,7 +280,7 @@ def config_reference() -> str:
 NOTES = {
     "GPT2LMHeadModel": ("Conv1D transposes, fused c_attn split, tied head", "(tp, pp) = (1,1), (2,1), (1,2), (2,2)"),
     "LlamaForCausalLM": ("any number of kv heads (QKV regrouped per kv group), any `head_dim`, tied or untied, "
-                         "rope_theta, linear/llama3 RoPE scaling",
+                         "rope_theta, linear/llama3/yarn/longrope RoPE scaling (dynamic refused)",
                          "(tp, pp) = (1,1), (2,1), (1,2), (2,2); tp 3 (9 q / 3 kv heads)"),
     "MistralForCausalLM": ("`sliding_window` on every layer (zoo's `sliding_window`); without a window shorter than "
                            "the context it is Llama and exported back as Llama",
@@ -314,6 +314,16 @@ NOTES = {
                            "GELU, biases (`attention_bias` apart from the MLP's), untied `embed_out`; `rotary_pct` < 1 "
                            "refused for now", "(tp, pp) = (1,1), (2,1), (1,2); greedy generation as transformers; "
                            "training at tp2+SP, pp2, cp2 (Ulysses, ring), ZeRO-2"),
+    "Gemma3ForCausalLM": ("text model: Gemma 2's block plus (1 + w) q/k RMSNorm per head; full layers `rope_theta` "
+                          "with its scaling, sliding ones `rope_local_base_freq` (nested `rope_parameters`)",
+                          "(tp, pp) = (1,1), (2,1), (1,2); greedy generation as transformers"),
+    "Phi3ForCausalLM": ("fused `qkv_proj` / `gate_up_proj` split and re-fused exactly, longrope (short/long factors, "
+                        "the prefix re-encoded at the switch as transformers does), `partial_rotary_factor`, a window "
+                        "on every layer; whole-head ones export as Llama/Mistral",
+                        "(tp, pp) = (1,1), (2,1), (1,2); greedy generation as transformers"),
+    "SmolLM3ForCausalLM": ("NoPE layers (`no_rope_layers`), windows by `layer_types` with `use_sliding_window`, any "
+                           "`head_dim`", "(tp, pp) = (1,1), (2,1), (1,2); NoPE + partial rotary training at tp2+SP, "
+                           "pp2, cp2 (Ulysses, ring), ZeRO-2"),
     "BertModel": ("no head; sentence-embedding (sentence-transformers) folders import; WordPiece files pass "
                   "through", "(tp, pp) = (2,2)"),
     "BertForMaskedLM": ("MLM head tied to the word embeddings", "(tp, pp) = (1,1), (2,1), (1,2), (2,2)"),

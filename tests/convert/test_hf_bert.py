@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from zoo.convert import io
+from zoo.convert import io, registry
 from zoo.convert.bert import (
     HEAD_OF,
     IGNORED,
@@ -370,9 +370,7 @@ def test_bad_input(hf_dirs, zoo_dirs, tmp_path, capsys):
     gpt_hf = edited_copy(hf_dirs["mlm"], tmp_path / "gpt-hf", architectures=["GPT2LMHeadModel"], model_type="gpt2")
     with pytest.raises(ConvertError, match="architecture GPT2LMHeadModel is a checkpoint of another family \\(gpt\\)"):
         hf_to_zoo_bert(gpt_hf, out)
-    supported = ("supported: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-                 "Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, "
-                 "Gemma2ForCausalLM, BertModel, BertForMaskedLM, BertForPreTraining, BertForSequenceClassification")
+    supported = "supported: " + ", ".join(registry.names("transformers"))  # every registered class, in order
     token_cls = edited_copy(hf_dirs["cls"], tmp_path / "token-cls", architectures=["BertForTokenClassification"])
     assert_error(capsys, f"architecture BertForTokenClassification is not supported; {supported}$", "hf-to-zoo",
                  "--src", token_cls, "--out", out)

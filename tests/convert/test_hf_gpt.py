@@ -1,9 +1,10 @@
-"""HuggingFace <-> zoo for GPT-2, Llama, Mistral, Qwen2 and Qwen3: logits equal at every layout, round trips
-bit-exact.
+"""HuggingFace <-> zoo for GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma 2, SmolLM3, Phi-3 and Gemma 3: logits equal
+at every layout, round trips bit-exact.
 
 Small random HF models (with a tiny byte-level BPE tokenizer) are saved in a temporary folder, imported with
 ``hf_to_zoo`` and checked with ``verify`` in one 4-rank gloo pool at (tp, pp) in {(1,1), (2,1), (1,2), (2,2)}
-(Qwen2 at (1,1) and (2,2); a windowed Mistral and a windowed Qwen3 at (2,1) and (1,2));
+(Qwen2 at (1,1) and (2,2); a windowed Mistral and a windowed Qwen3 at (2,1) and (1,2), and so the RoPE variants:
+SmolLM3's NoPE layers, Phi-3's LongRoPE with partial rotary, Gemma 3's theta per layer type);
 one torchrun run of ``launch/convert.py verify`` at tp=3 (a 9-query, 3-key-value-head model) checks the command
 end to end.
 """
@@ -23,13 +24,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from zoo.convert import io
+from zoo.convert import io, registry
 from zoo.convert.cli import main
 from zoo.convert.errors import ConvertError
 from zoo.convert.gpt import check_hf, hf_to_zoo
 from zoo.convert.hf.gemma2 import table as gemma2_table
+from zoo.convert.hf.gemma3 import table as gemma3_table
 from zoo.convert.hf.gpt2 import table as gpt2_table
 from zoo.convert.hf.llama import table as llama_table
+from zoo.convert.hf.phi3 import table as phi3_table
 from zoo.convert.hf.qwen3 import table as qwen3_table
 from zoo.convert.hub import resolve_hf_folder
 from zoo.convert.registry import ARCHITECTURES
@@ -117,7 +120,8 @@ def hf_gemma2(**overrides):
 
 def hf_olmo2(arch="olmo2", **overrides):
     """A tiny OLMo 2 (post-norm, q/k RMSNorm over the projection), head_dim 24 != 64 / 4, GQA, untied; OLMo 3 adds a
-    window of 5 (shorter than verify's sequence) on the layers layer_types marks."""
+    window of 5 (shorter than verify's sequence) on the layers layer_types marks, and RoPE per layer type: YaRN on
+    the full layers (as transformers puts a legacy rope_scaling), a plain theta of its own on the sliding ones."""
     from transformers import Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM
 
     config_cls, model_cls = {"olmo2": (Olmo2Config, Olmo2ForCausalLM), "olmo3": (Olmo3Config, Olmo3ForCausalLM)}[arch]
@@ -125,7 +129,10 @@ def hf_olmo2(arch="olmo2", **overrides):
                num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
                bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS)
     if arch == "olmo3":
-        cfg.update(sliding_window=5, layer_types=["sliding_attention", "full_attention"])
+        cfg.update(sliding_window=5, layer_types=["sliding_attention", "full_attention"], rope_parameters={
+            "full_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                               "rope_theta": 5e5},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
     model = model_cls(config_cls(**{**cfg, **overrides}))
     model.config.head_dim = overrides.get("head_dim", 24)  # read by the attention (no field in the config class)
     return model_cls(model.config)
@@ -144,15 +151,59 @@ def hf_granite(**overrides):
 
 
 def hf_neox(**overrides):
-    """A tiny GPT-NeoX (Pythia's block: parallel residual, exact GELU, biases, untied embed_out), rotating whole
-    heads (rotary_pct 1: partial rotary comes with the RoPE work)."""
+    """A tiny GPT-NeoX (Pythia's block: parallel residual, exact GELU, biases, untied embed_out), rotating a quarter
+    of each head (Pythia's rotary_pct 0.25: 4 of 16 features)."""
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                max_position_embeddings=64, layer_norm_eps=1e-5, tie_word_embeddings=False, use_parallel_residual=True,
-               rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
+               rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
                bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS)
     return GPTNeoXForCausalLM(GPTNeoXConfig(**{**cfg, **overrides}))
+
+
+def hf_smollm3(**overrides):
+    """A tiny SmolLM3: NoPE on layers 1 and 3, a window of 5 on layer 1 only, head_dim 24 != 64 / 4, tied."""
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=24, max_position_embeddings=64, rms_norm_eps=1e-6,
+               no_rope_layers=[1, 0, 1, 0], use_sliding_window=True, sliding_window=5,
+               layer_types=["full_attention", "sliding_attention", "full_attention", "full_attention"],
+               rope_parameters={"rope_type": "default", "rope_theta": 5000.0}, tie_word_embeddings=True,
+               bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS)
+    return SmolLM3ForCausalLM(SmolLM3Config(**{**cfg, **overrides}))
+
+
+# Phi-3's LongRoPE on the tiny shape: 4 factors (rotary dim 8 = head_dim 16 x 0.5), switching at 8 positions.
+PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.3, 2.1, 3.7],
+             "long_factor": [1.1, 2.5, 6.0, 14.0]}
+
+
+def hf_phi3(**overrides):
+    """A tiny Phi-3 / Phi-4-mini: fused qkv_proj and gate_up_proj, GQA, LongRoPE switching at 8 positions (shorter
+    than verify's 16 tokens), partial_rotary_factor 0.5, untied."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, original_max_position_embeddings=8,
+               rms_norm_eps=1e-6, partial_rotary_factor=0.5, rope_parameters=dict(PHI3_ROPE),
+               tie_word_embeddings=False, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS)
+    return Phi3ForCausalLM(Phi3Config(**{**cfg, **overrides}))
+
+
+def hf_gemma3(**overrides):
+    """A tiny Gemma 3 text model: Gemma 2's block (head_dim 24, window 5 on alternate layers, query_pre_attn_scalar
+    20) with per-head q/k norm; full layers theta 1e6 with linear scaling 4, sliding ones theta 1e4."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=24, max_position_embeddings=64, rms_norm_eps=1e-6, sliding_window=5,
+               layer_types=["sliding_attention", "full_attention"] * 2, query_pre_attn_scalar=20,
+               rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+               bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS, attn_implementation="eager")
+    return Gemma3ForCausalLM(Gemma3TextConfig(**{**cfg, **overrides}))
 
 
 CASES = {
@@ -177,12 +228,17 @@ CASES = {
     "olmo3": lambda: hf_olmo2("olmo3"),
     "granite": lambda: hf_granite(),
     "neox": lambda: hf_neox(),
+    # RoPE variants (zoo.models.rope): NoPE layers, LongRoPE + partial rotary, per-layer-type theta.
+    "smollm3": lambda: hf_smollm3(),
+    "phi3": lambda: hf_phi3(),
+    "gemma3": lambda: hf_gemma3(),
 }
 LAYOUT_CASES = ["gpt2", "llama-untied", "llama-tied"]
 QWEN2_LAYOUTS = [(1, 1), (2, 2)]  # Qwen2 differs from Llama by its biases only: two layouts suffice
 GEMMA2_LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # sandwich norms under SP-free TP, the tied soft-capped head over PP
 WINDOW_CASES, WINDOW_LAYOUTS = ["mistral-window", "qwen3"], [(2, 1), (1, 2)]  # tp 1, pp 1: tests/convert/test_registry
 BLOCK_CASES = ["olmo2", "olmo3", "granite", "neox"]  # at WINDOW_LAYOUTS too (tp 1: test_registry)
+ROPE_CASES, ROPE_LAYOUTS = ["smollm3", "phi3", "gemma3"], [(2, 1), (1, 2)]  # tp 1, pp 1: tests/convert/test_registry
 
 
 def save_hf(model, folder: Path, seed: int = 0, **kwargs) -> Path:
@@ -225,7 +281,7 @@ def assert_error(capsys, pattern: str, *argv) -> None:
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama-untied", "llama-tied", "qwen2", "qwen2-tied", "qwen3", "gemma2",
-                                  *BLOCK_CASES])
+                                  *BLOCK_CASES, "smollm3", "phi3", "gemma3"])
 def test_tables_cover_the_checkpoint_and_invert(name):
     """Every HF tensor is read once, with the shape the table expects; to_hf(to_zoo(x)) gives x back exactly."""
     from zoo.convert.gpt import gpt_config_from_hf
@@ -233,8 +289,8 @@ def test_tables_cover_the_checkpoint_and_invert(name):
     hf = CASES[name]()
     arch = type(hf).__name__
     cfg = gpt_config_from_hf(arch, hf.config)
-    table = {"GPT2LMHeadModel": gpt2_table, "Gemma2ForCausalLM": gemma2_table,
-             "Qwen3ForCausalLM": qwen3_table}.get(arch, llama_table)(cfg)
+    table = {"GPT2LMHeadModel": gpt2_table, "Gemma2ForCausalLM": gemma2_table, "Qwen3ForCausalLM": qwen3_table,
+             "Gemma3ForCausalLM": gemma3_table, "Phi3ForCausalLM": phi3_table}.get(arch, llama_table)(cfg)
     rows = [r for group in blocks(table, cfg.num_hidden_layers) for r in group]
     if arch in BLOCK_TABLES:
         rows = rows_of(ARCHITECTURES[arch].groups(cfg))
@@ -268,7 +324,8 @@ def test_verify_every_layout(hf_dirs, zoo_dirs, dist_run):
     for tp, pp in LAYOUTS:
         names = (LAYOUT_CASES + (["qwen2"] if (tp, pp) in QWEN2_LAYOUTS else [])
                  + (WINDOW_CASES + BLOCK_CASES if (tp, pp) in WINDOW_LAYOUTS else [])
-                 + (["gemma2"] if (tp, pp) in GEMMA2_LAYOUTS else []))
+                 + (["gemma2"] if (tp, pp) in GEMMA2_LAYOUTS else [])
+                 + (ROPE_CASES if (tp, pp) in ROPE_LAYOUTS else []))
         pairs = [(str(hf_dirs[n]), str(zoo_dirs[n])) for n in names]
         per_rank = dist_run(4, verify_cases, pairs, tp, pp)
         assert all(r == per_rank[0] for r in per_rank)  # every rank returns rank 0's number
@@ -408,7 +465,9 @@ def hf_tensors(folder: Path) -> dict:
                                               ("llama-tied", "bf16", None), ("qwen2", None, "40KB"),
                                               ("qwen2-tied", "bf16", None), ("mistral-window", None, None),
                                               ("qwen3", None, "40KB"), ("olmo2", None, None),
-                                              ("olmo3", None, "40KB"), ("granite", "bf16", None), ("neox", None, None)])
+                                              ("olmo3", None, "40KB"), ("granite", "bf16", None), ("neox", None, None),
+                                              ("smollm3", None, None), ("phi3", "bf16", "40KB"),
+                                              ("gemma3", None, None)])
 def test_round_trip_bit_exact_and_same_generation(name, dtype, shard, hf_dirs, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -506,9 +565,7 @@ def edited_copy(folder: Path, dst: Path, **config) -> Path:
 
 def test_bad_input(hf_dirs, zoo_dirs, tmp_path, capsys):
     out = tmp_path / "out"
-    supported = ("supported: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-                 "Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, "
-                 "Gemma2ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, GraniteForCausalLM, GPTNeoXForCausalLM, Bert")
+    supported = "supported: " + ", ".join(registry.names("transformers"))  # every registered class, in order
     t5 = edited_copy(hf_dirs["gpt2"], tmp_path / "t5", architectures=["T5ForConditionalGeneration"], model_type="t5")
     assert_error(capsys, f"architecture T5ForConditionalGeneration is not supported; {supported}", "hf-to-zoo",
                  "--src", t5, "--out", out)

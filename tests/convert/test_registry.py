@@ -60,6 +60,9 @@ MODELS = {
     "Olmo3ForCausalLM": lambda: _randomized(gpt_cases.hf_olmo2("olmo3")),
     "GraniteForCausalLM": lambda: _randomized(gpt_cases.hf_granite()),  # four multipliers, q/k/v/o biases
     "GPTNeoXForCausalLM": lambda: _randomized(gpt_cases.hf_neox()),  # parallel residual, exact GELU, biases
+    "Gemma3ForCausalLM": lambda: _randomized(gpt_cases.hf_gemma3()),
+    "Phi3ForCausalLM": lambda: _randomized(gpt_cases.hf_phi3()),
+    "SmolLM3ForCausalLM": lambda: _randomized(gpt_cases.hf_smollm3()),
     "BertModel": lambda: bert_cases.hf_model("BertModel"),
     "BertForMaskedLM": lambda: bert_cases.hf_model("BertForMaskedLM"),
     "BertForPreTraining": lambda: bert_cases.hf_model("BertForPreTraining"),
@@ -79,6 +82,15 @@ VARIANTS = {
                                                                             attention_multiplier=1.0)),
     "GPTNeoXForCausalLM:sequential-no-attention-bias": lambda: _randomized(gpt_cases.hf_neox(
         use_parallel_residual=False, attention_bias=False)),
+    # Llama reads and writes YaRN (its attention factor from mscale / mscale_all_dim) and LongRoPE (switching at 8
+    # positions, inside verify's 16), both past their original length here.
+    "LlamaForCausalLM:yarn": lambda: _randomized(gpt_cases.hf_llama(rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+        "beta_fast": 16.0, "mscale": 1.2, "mscale_all_dim": 0.7})),
+    "LlamaForCausalLM:longrope": lambda: _randomized(gpt_cases.hf_llama(rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 8,
+        "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0], "long_factor": [1.0, 2.0, 3.0, 5.0, 8.0, 12.0, 16.0,
+                                                                                20.0]})),
 }
 
 
@@ -179,6 +191,12 @@ MIXED = ["sliding_attention", "full_attention"] * 2
     ({"use_parallel_residual": True}, None),  # a SwiGLU RMSNorm NeoX block: no class
     ({"mlp_bias": True}, None),  # MLP biases alone are Granite's only with one of its multipliers
     ({"logits_scaling": 2.0, "sliding_window": 8}, None),
+    # RoPE variants: NoPE layers go to SmolLM3, a partial rotary factor to Phi-3 (not with linear scaling); a local
+    # theta needs Gemma 3's block
+    ({"no_rope_layers": [1, 0, 1, 1]}, "SmolLM3ForCausalLM"),
+    ({"partial_rotary_factor": 0.5}, "Phi3ForCausalLM"),
+    ({"partial_rotary_factor": 0.5, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}, None),
+    ({"rope_local_base_freq": 1e4, "sliding_window": 8, "layer_types": MIXED}, None),
 ])
 def test_export_class_by_features(fields, arch):
     """A zoo GPT exports as the first registered class whose ``exports`` takes it: windows go to Mistral (every

@@ -86,12 +86,16 @@ def test_features_read_from_the_checkpoints(tmp_path):
         "norm_placement": "post", "qk_norm": "full", "head_dim": 24}
     assert (read["olmo3"]["sliding_window"], read["olmo3"]["layer_types"]) == (5, ["sliding_attention",
                                                                                    "full_attention"])
+    assert (read["olmo3"]["rope_local_base_freq"], read["olmo3"]["rope_theta"],
+            read["olmo3"]["rope_scaling"]["rope_type"]) == (1e4, 5e5, "yarn")
     assert {k: read["granite"][k] for k in ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
                                             "logits_scaling", "add_bias", "mlp_bias")} == {
         "embedding_multiplier": 3.0, "residual_multiplier": 0.5, "attention_multiplier": 0.1, "logits_scaling": 2.5,
         "add_bias": True, "mlp_bias": False}
-    assert {k: read["neox"][k] for k in ("use_parallel_residual", "activation", "normalization", "mlp_bias")} == {
-        "use_parallel_residual": True, "activation": "gelu_exact", "normalization": "layernorm", "mlp_bias": True}
+    assert {k: read["neox"][k] for k in ("use_parallel_residual", "activation", "normalization", "mlp_bias",
+                                         "partial_rotary_factor")} == {
+        "use_parallel_residual": True, "activation": "gelu_exact", "normalization": "layernorm", "mlp_bias": True,
+        "partial_rotary_factor": 0.25}
 
 
 def test_fused_head_and_loss_divide_by_logits_scaling():
@@ -134,13 +138,13 @@ def test_config_refusals(fields, message):
 
 
 @pytest.mark.parametrize("name,edit,message", [
-    # TODO(rope merge): partial rotary imports once the rope helper's partial_rotary_factor lands
-    ("neox", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}},
-     r"GPTNeoXForCausalLM: rotary_pct 0.25 < 1 \(partial rotary\) is not supported yet"),
+    # a rotary dim of int(16 x 0.0625) = 1 feature: odd, so no rotate-half pairs
+    ("neox", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.0625}},
+     r"RoPE needs an even rotary dim, got int\(head_dim 16 \* partial_rotary_factor 0.0625\) = 1"),
     ("neox", {"hidden_act": "gelu_new"}, "GPTNeoXForCausalLM: hidden_act 'gelu_new' is not supported"),
     ("olmo3", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 5e5},
-                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
-     "Olmo3ForCausalLM: rope_parameters differ per layer type"),
+                                   "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+     r"Olmo3ForCausalLM: rope_parameters\['sliding_attention'\] rope_type 'linear' is not supported"),
     ("olmo2", {"hidden_act": "gelu"}, "Olmo2ForCausalLM: hidden_act 'gelu' is not supported"),
 ])
 def test_architecture_refusals(name, edit, message, tmp_path):
@@ -155,7 +159,8 @@ def test_architecture_refusals(name, edit, message, tmp_path):
 
 # Training: the tiny Llama of the layout tests with each block on top.
 OLMO2 = ["model.norm_placement=post", "model.qk_norm=full"]
-NEOX = ["model.use_parallel_residual=true", "model.normalization=layernorm", "model.activation=gelu_exact",
+NEOX = ["model.use_parallel_residual=true", "model.partial_rotary_factor=0.5", "model.normalization=layernorm",
+        "model.activation=gelu_exact",
         "model.add_bias=true", "model.residual_multiplier=0.5", "model.attention_multiplier=0.2",
         "model.logits_scaling=2.0", "model.embedding_multiplier=2.0", "training.fused_cross_entropy=true"]
 BLOCKS = {"olmo2": OLMO2, "neox": NEOX}

@@ -70,6 +70,9 @@ ARCHITECTURES = Registry("HF architecture", (
     "zoo.convert.hf.olmo2",
     "zoo.convert.hf.granite",
     "zoo.convert.hf.gpt_neox",
+    "zoo.convert.hf.gemma3",
+    "zoo.convert.hf.phi3",
+    "zoo.convert.hf.smollm3",
     "zoo.convert.hf.bert",
     "zoo.convert.hf.unet2d",
 ), "ARCHITECTURES")

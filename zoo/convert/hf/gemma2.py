@@ -41,16 +41,17 @@ def groups(cfg: GPTConfig, **_) -> list[list[Row]]:
     return list(blocks(table(cfg), cfg.num_hidden_layers))
 
 
-def to_zoo(c) -> GPTConfig:
-    """The GPTConfig computing what Gemma 2 computes; refuses (one line, naming the field) what zoo cannot."""
-    need = refusal(NAME)
+def to_zoo(c, arch: str = NAME, **fields) -> GPTConfig:
+    """The GPTConfig computing what Gemma 2 computes; refuses (one line, naming the field) what zoo cannot.
+    ``arch``, ``fields``: a class built on Gemma 2's block (Gemma 3) and its further or other GPTConfig fields."""
+    need = refusal(arch)
     need(c.hidden_activation == "gelu_pytorch_tanh",
          f"hidden_activation {c.hidden_activation!r} is not supported (zoo's GeGLU uses gelu_pytorch_tanh)")
     need(not getattr(c, "attention_bias", False), "attention_bias=True is not supported (Gemma 2 has no biases)")
     need(not getattr(c, "use_bidirectional_attention", False),
          "use_bidirectional_attention=True is not supported (zoo's GPT is causal)")
-    theta, scaling = llama.rope(c)
-    return zoo_config(GPTConfig, dict(
+    theta, scaling = (None, None) if "rope_theta" in fields else llama.rope(c)
+    return zoo_config(GPTConfig, {**dict(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
         num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads or c.num_attention_heads,
         head_dim=c.head_dim, intermediate_size=c.intermediate_size, max_position_embeddings=c.max_position_embeddings,
@@ -60,12 +61,12 @@ def to_zoo(c) -> GPTConfig:
         sliding_window=c.sliding_window, layer_types=list(c.layer_types) if c.layer_types else None,
         attn_logit_softcapping=c.attn_logit_softcapping, final_logit_softcapping=c.final_logit_softcapping,
         query_pre_attn_scalar=c.query_pre_attn_scalar, norm_weight_offset=1.0, norm_placement="sandwich",
-        embedding_multiplier=math.sqrt(c.hidden_size)))
+        embedding_multiplier=math.sqrt(c.hidden_size)), **fields})
 
 
 def exports(cfg: GPTConfig) -> bool:
     """A dense zoo GPT with Gemma 2's block: GeGLU, sandwich (1 + w) RMSNorms, embeddings times sqrt(h)."""
-    return (not cfg.num_experts and cfg.qk_norm is None and plain_block(cfg)
+    return (not cfg.num_experts and cfg.qk_norm is None and plain_block(cfg) and llama.full_rope(cfg)
             and (cfg.position_embedding_type, cfg.normalization, cfg.activation, cfg.add_bias, cfg.use_qkv_bias,
                  cfg.norm_weight_offset, cfg.norm_placement) == ("rope", "rmsnorm", "geglu", False, False, 1.0,
                                                                  "sandwich")

@@ -5,8 +5,9 @@ attention, the MLP with biases always (``mlp_bias=True``) and ``attention_bias``
 (zoo's ``add_bias``), ``hidden_act="gelu"`` (erf: zoo's ``gelu_exact``), an untied ``embed_out`` head (tied read too).
 ``query_key_value`` is per-head interleaved: its rows are ``[q_0, k_0, v_0, q_1, k_1, v_1, ...]`` (d each), which
 is zoo's fused layout per key-value group when every head is its own group: the weight and bias are taken as they
-are (``neox_qkv`` checks the split both ways). Refused, one line each: partial rotary (``rotary_pct`` < 1), another
-activation, a RoPE type other than default/linear/llama3.
+are (``neox_qkv`` checks the split both ways). ``rotary_pct`` (transformers 5: ``partial_rotary_factor``; Pythia's
+0.25) is zoo's ``partial_rotary_factor``: the first fraction of each head rotates. Refused, one line each: another
+activation, a RoPE type zoo does not have.
 Notation: h hidden, f intermediate, V vocabulary (unpadded), L blocks, n heads, d head dim.
 """
 
@@ -64,9 +65,7 @@ def to_zoo(c) -> GPTConfig:
     need = refusal(NAME)
     need(c.hidden_act == "gelu", f"hidden_act {c.hidden_act!r} is not supported (zoo's NeoX MLP uses the exact gelu)")
     params = dict(getattr(c, "rope_parameters", None) or {})
-    partial = float(params.get("partial_rotary_factor", getattr(c, "rotary_pct", 1.0)))
-    # TODO(rope merge): partial rotary (the rope helper's partial_rotary_factor field) takes rotary_pct < 1.
-    need(partial == 1.0, f"rotary_pct {partial} < 1 (partial rotary) is not supported yet; zoo rotates whole heads")
+    partial = float(params.get("partial_rotary_factor", getattr(c, "rotary_pct", 1.0)))  # Pythia: 0.25
     theta, scaling = llama.rope(c)
     return zoo_config(GPTConfig, dict(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
@@ -75,7 +74,8 @@ def to_zoo(c) -> GPTConfig:
         normalization="layernorm", norm_eps=c.layer_norm_eps, activation="gelu_exact",
         add_bias=bool(c.attention_bias), mlp_bias=True, use_parallel_residual=bool(c.use_parallel_residual),
         tie_word_embeddings=bool(c.tie_word_embeddings), rope_theta=theta, rope_scaling=scaling,
-        initializer_range=c.initializer_range, hidden_dropout=float(c.hidden_dropout or 0.0),
+        partial_rotary_factor=partial, initializer_range=c.initializer_range,
+        hidden_dropout=float(c.hidden_dropout or 0.0),
         attention_dropout=float(c.attention_dropout or 0.0)))
 
 
@@ -83,6 +83,7 @@ def exports(cfg: GPTConfig) -> bool:
     """RoPE, LayerNorm, exact GELU with MLP biases, multi-head attention, q/k/v biased as dense is; no other
     block feature (norms pre, no q/k norm, window, multiplier or soft-cap)."""
     return (not cfg.num_experts and cfg.qk_norm is None and llama.is_windowless(cfg)
+            and llama.full_rope(cfg, partial=True)
             and (cfg.position_embedding_type, cfg.normalization, cfg.activation, cfg.use_mlp_bias, cfg.norm_placement)
             == ("rope", "layernorm", "gelu_exact", True, "pre")
             and cfg.use_qkv_bias == cfg.add_bias and cfg.num_key_value_heads == cfg.num_attention_heads
@@ -100,7 +101,7 @@ def to_hf(cfg: GPTConfig, dtype: torch.dtype, special: dict):
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
         num_attention_heads=cfg.num_attention_heads, intermediate_size=cfg.intermediate_size, hidden_act="gelu",
         max_position_embeddings=cfg.max_position_embeddings, layer_norm_eps=cfg.norm_eps,
-        rope_parameters={**llama.rope_parameters(cfg), "partial_rotary_factor": 1.0},
+        rope_parameters={**llama.rope_parameters(cfg), "partial_rotary_factor": cfg.partial_rotary_factor},
         use_parallel_residual=cfg.use_parallel_residual, attention_bias=cfg.add_bias,
         hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
         initializer_range=cfg.initializer_range, tie_word_embeddings=cfg.tie_word_embeddings,

@@ -4,9 +4,9 @@ The pieces here are the base other architectures read as differences from: Mistr
 (``qwen2.py``, q/k/v biases), Qwen3 (``qwen3.py``, q/k norm) and the mixture-of-experts GPTs (``moe.py``, their
 attention and dense rows). RoPE is rotate-half in both HF and zoo, so the q/k rows need no permutation within a head
 (unlike Meta's original checkpoints); q, k, v are fused per key-value group, gate and up into zoo's SwiGLU fc1.
-Refused, one line each: attention/MLP biases, a RoPE type other than default/linear/llama3, layer types zoo does
-not have. The sliding-window mappings both ways (Mistral's on every layer, Qwen2's and Qwen3's by ``layer_types``)
-are here; any ``head_dim`` is read and written.
+Refused, one line each: attention/MLP biases, a RoPE type other than default/linear/llama3/yarn/longrope (dynamic),
+a partial rotary factor, layer types zoo does not have. The sliding-window mappings both ways (Mistral's on every
+layer, Qwen2's and Qwen3's by ``layer_types``) are here; any ``head_dim`` is read and written.
 Notation: h hidden, f intermediate, V vocabulary (unpadded), L blocks, nq/nkv query/key-value heads, d head dim.
 """
 
@@ -34,6 +34,13 @@ from zoo.models.gpt import FAMILY, GPTConfig
 NAME = "LlamaForCausalLM"
 ATTN, MLP = "model.layers.{}.self_attn.", "model.layers.{}.mlp."
 LAYER_TYPES = {"full_attention", "sliding_attention"}
+# The rope_parameters keys each RoPE type zoo has reads (zoo.models.rope): what crosses over, both ways.
+ROPE_KEYS = {"linear": ("factor",),
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+             "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+                      "mscale", "mscale_all_dim", "truncate"),
+             "longrope": ("short_factor", "long_factor", "original_max_position_embeddings", "factor",
+                          "attention_factor")}
 
 
 def table(cfg: GPTConfig) -> list[Row]:
@@ -69,28 +76,49 @@ def groups(cfg: GPTConfig, **_) -> list[list[Row]]:
     return list(blocks(table(cfg), cfg.num_hidden_layers))
 
 
-def rope(c) -> tuple[float, dict | None]:
-    """``(rope_theta, zoo rope_scaling)`` from transformers 5's ``rope_parameters`` (or 4.x's two fields)."""
+def _rope_params(c) -> dict:
     params = dict(getattr(c, "rope_parameters", None) or {})
-    theta = float(params.get("rope_theta", getattr(c, "rope_theta", None) or 10000.0))
     legacy = getattr(c, "rope_scaling", None) if not params else None
-    params = {**(legacy or {}), **params}
+    return {**(legacy or {}), **params}
+
+
+def rope(c, params: dict | None = None) -> tuple[float, dict | None]:
+    """``(rope_theta, zoo rope_scaling)`` from transformers 5's ``rope_parameters`` (or 4.x's two fields); ``params``:
+    one layer type's dict where they are nested (Gemma 3). The scaling keeps the keys zoo's type reads
+    (``zoo.models.rope``), so every default transformers applies is applied alike."""
+    params = _rope_params(c) if params is None else dict(params)
+    theta = float(params.get("rope_theta", getattr(c, "rope_theta", None) or 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return theta, None
-    if kind == "linear":
-        return theta, {"rope_type": "linear", "factor": float(params["factor"])}
-    if kind == "llama3":
-        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        return theta, {"rope_type": "llama3", **{k: params[k] for k in keys}}
-    raise ConvertError(f"rope_type {kind!r} is not supported; zoo implements default, linear and llama3")
+    if kind not in ROPE_KEYS:
+        raise ConvertError(f"rope_type {kind!r} is not supported; zoo implements default, {', '.join(ROPE_KEYS)}")
+    keys = ROPE_KEYS[kind]
+    return theta, {"rope_type": kind, **{k: params[k] for k in keys if params.get(k) is not None}}
 
 
-def rope_parameters(cfg: GPTConfig) -> dict:
-    """transformers 5's ``rope_parameters`` (theta included) for a zoo GPT's RoPE settings."""
-    out = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
+def partial_rotary_factor(c) -> float:
+    """The fraction of each head that rotates (transformers 5 keeps it in ``rope_parameters``)."""
+    value = _rope_params(c).get("partial_rotary_factor", getattr(c, "partial_rotary_factor", None))
+    return 1.0 if value is None else float(value)
+
+
+def rope_parameters(cfg: GPTConfig, theta: float | None = None, scaling: dict | None = None) -> dict:
+    """transformers 5's ``rope_parameters`` (theta included) for a zoo GPT's RoPE settings (``theta``, ``scaling``:
+    another layer type's, Gemma 3)."""
+    theta, scaling = (cfg.rope_theta, cfg.rope_scaling) if theta is None else (theta, scaling)
+    out = {"rope_type": "default", **(scaling or {}), "rope_theta": theta}
     out.pop("type", None)
+    if cfg.partial_rotary_factor != 1.0:
+        out["partial_rotary_factor"] = cfg.partial_rotary_factor
     return out
+
+
+def full_rope(cfg: GPTConfig, partial: bool = False, nope: bool = False) -> bool:
+    """RoPE over whole heads on every layer with one theta (what Llama's rotary embedding computes); ``partial``,
+    ``nope``: a partial rotary factor (Phi-3), NoPE layers (SmolLM3) allowed too."""
+    return ((partial or cfg.partial_rotary_factor == 1.0) and (nope or cfg.no_rope_layers is None)
+            and cfg.rope_local_base_freq is None)
 
 
 def refuse_window(need, c, window, sliding: bool = True) -> None:
@@ -136,6 +164,8 @@ def to_zoo(c, *, arch: str = NAME, qkv_bias: bool = False, windows=no_window, **
     need(not getattr(c, "mlp_bias", False), "mlp_bias=True is not supported (zoo's Llama has no biases)")
     layer_types = getattr(c, "layer_types", None) or []
     need(set(layer_types) <= LAYER_TYPES, f"layer_types {sorted(set(layer_types) - LAYER_TYPES)} are not supported")
+    need("partial_rotary_factor" in fields or partial_rotary_factor(c) == 1.0,
+         f"partial_rotary_factor {partial_rotary_factor(c)} is not supported ({arch} rotates whole heads)")
     theta, scaling = rope(c)
     return zoo_config(GPTConfig, dict(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
@@ -148,12 +178,13 @@ def to_zoo(c, *, arch: str = NAME, qkv_bias: bool = False, windows=no_window, **
         attention_dropout=float(getattr(c, "attention_dropout", 0.0) or 0.0), **windows(c), **fields))
 
 
-def is_llama(cfg: GPTConfig, qkv_bias: bool = False, qk_norm: str | None = None) -> bool:
+def is_llama(cfg: GPTConfig, qkv_bias: bool = False, qk_norm: str | None = None, **rope) -> bool:
     """A dense zoo GPT with Llama's features (and q/k/v biases or not, q/k norm or not), any windows; the scores
-    scaled and uncapped as Llama's, plain pre-norm RMSNorms, unscaled embeddings and uncapped logits."""
+    scaled and uncapped as Llama's, plain pre-norm RMSNorms, unscaled embeddings and uncapped logits; ``rope``: the
+    RoPE variants allowed (``full_rope``)."""
     return (not cfg.num_experts and cfg.qk_norm == qk_norm and cfg.attn_logit_softcapping is None and plain_block(cfg)
             and cfg.query_pre_attn_scalar is None and cfg.norm_weight_offset == 0.0 and cfg.norm_placement == "pre"
-            and cfg.embedding_multiplier is None and cfg.final_logit_softcapping is None
+            and cfg.embedding_multiplier is None and cfg.final_logit_softcapping is None and full_rope(cfg, **rope)
             and (cfg.position_embedding_type, cfg.normalization, cfg.activation, cfg.add_bias, cfg.use_qkv_bias)
             == ("rope", "rmsnorm", "swiglu", False, qkv_bias))
 
@@ -206,4 +237,4 @@ def _config_class():
 ARCHITECTURES = {NAME: Architecture(
     NAME, FAMILY, _config_class, partial(to_zoo, arch=NAME), groups, to_hf, model_type="llama", exports=exports,
     export_needs="LlamaForCausalLM needs rope, rmsnorm, swiglu, add_bias=False, qkv_bias=False, no qk_norm, no "
-                 "sliding window, no soft-capping or query_pre_attn_scalar")}
+                 "sliding window, no soft-capping or query_pre_attn_scalar, whole-head RoPE on every layer")}

@@ -229,6 +229,7 @@ def check_export(arch: str, rules, cfg: GPTConfig) -> None:
     common = [(cfg.position_embedding_type == "rope" and cfg.normalization == "rmsnorm" and cfg.activation == "swiglu"
                and not cfg.add_bias, "RoPE, RMSNorm, SwiGLU and no biases"),
               (plain_block(cfg), "pre-norm sequential blocks without multipliers (no OLMo 2 / NeoX / Granite block)"),
+              (llama.full_rope(cfg), "whole-head RoPE on every layer with one theta"),
               (cfg.scoring_func == "softmax" and cfg.n_group == 1 and not cfg.moe_expert_bias
                and cfg.routed_scaling_factor == 1.0, "softmax routing without groups, bias or scaling (DeepSeek's)")]
     broken = [what for ok, what in common + rules(cfg) if not ok]
