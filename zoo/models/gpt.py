@@ -1,8 +1,9 @@
 """GPT models, GPT-2 style and Llama style, from one config, built from tensor-parallel layers.
 
 GPT-2 (Radford et al. 2019): learned positions, LayerNorm, GELU (tanh), biases, tied embeddings.
-Llama (Touvron et al. 2023): rotary positions (RoPE, Su et al. 2021, with linear or Llama-3 frequency scaling),
-RMSNorm, SwiGLU (Shazeer 2020), no biases, grouped-query attention (Ainslie et al. 2023), tied or untied head.
+Llama (Touvron et al. 2023): rotary positions (RoPE, Su et al. 2021; linear, Llama-3, YaRN or LongRoPE frequency
+scaling, partial rotary, NoPE layers, a theta for the sliding layers: :mod:`zoo.models.rope`), RMSNorm, SwiGLU
+(Shazeer 2020), no biases, grouped-query attention (Ainslie et al. 2023), tied or untied head.
 Options on top: q/k biases (Qwen2), q/k RMSNorm per head (Qwen3) or over the projection (OLMoE), a head dim other
 than h / heads, and mixture-of-experts MLPs in some or all blocks (Mixtral, Qwen-MoE, OLMoE, DeepSeek routing;
 :mod:`zoo.models.moe`).
@@ -14,7 +15,8 @@ parallelism (arXiv 2205.05198) the norms, dropouts and residuals work on ``[b, s
 
 Context parallelism (:mod:`zoo.parallel.context_parallel`, ``ParallelOptions.cp_group``): every layer holds this CP
 rank's s/cp positions (inputs and labels split alike, by ``split_sequence``); position embeddings and RoPE use the
-tokens' global positions, attention is Ulysses or ring attention, the loss the mean over the whole sequence.
+tokens' global positions (and the sequence's global length, which picks LongRoPE's factors), attention is Ulysses
+or ring attention, the loss the mean over the whole sequence.
 Heads are split over TP first, then Ulysses splits each TP rank's heads over CP. Sequence parallelism composes:
 it splits the local chunk, so norms see ``[b, s/(cp tp), h]`` and attention's column-parallel input gathers
 ``[b, s/cp, h]`` back over TP. Generation (the KV cache) runs without CP.

@@ -180,6 +180,8 @@ def base_fields(arch: str, c, *, count_field: str = "num_experts", sliding_by_la
     E = getattr(c, count_field)
     need(E >= 1, f"{count_field} {E}: a mixture of experts needs at least one")
     heads = c.num_attention_heads
+    need(llama.partial_rotary_factor(c) == 1.0,
+         f"partial_rotary_factor {llama.partial_rotary_factor(c)} is not supported ({arch} rotates whole heads)")
     theta, scaling = llama.rope(c)
     return dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
                 num_attention_heads=heads, num_key_value_heads=c.num_key_value_heads or heads,
