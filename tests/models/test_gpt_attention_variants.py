@@ -224,3 +224,19 @@ def test_generation_with_rolling_caches_equals_recomputing():
     cached = gen.generate(ids, max_new_tokens=25, attention_mask=mask)
     again = gen.generate(ids, max_new_tokens=25, attention_mask=mask, use_cache=False)
     assert torch.equal(cached.tokens, again.tokens) and cached.tokens.shape[1] == 31
+
+
+def test_rolling_caches_at_tp2_equal_tp1(tmp_path, dist_run):
+    """Each TP rank's rolling caches hold its own key-value heads: greedy and sampled tokens 20 steps past the
+    window are tp=1's (the model through a model folder, as launch/generate.py loads it)."""
+    from tests.models.test_generate import generate_from_folder, unpadded_tensors
+    from zoo.convert.io import write_model_folder
+
+    model, cfg = _windowed_model()
+    folder = str(tmp_path / "model")
+    write_model_folder(folder, "gpt", cfg.to_dict(), unpadded_tensors(model))
+    ids = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(6))
+    greedy1, sampled1 = generate_from_folder(folder, 1, ids, 20)
+    assert greedy1.shape[1] == 26 and not torch.equal(greedy1, sampled1)
+    for greedy2, sampled2 in dist_run(2, generate_from_folder, folder, 2, ids, 20):
+        assert torch.equal(greedy2, greedy1) and torch.equal(sampled2, sampled1)
