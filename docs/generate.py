@@ -290,12 +290,15 @@ NOTES = {
                          "(tp, pp) = (1,1), (2,2); windowed: (1,1)"),
     "Qwen3ForCausalLM": ("q/k RMSNorm per head (`qk_norm: head`), any `head_dim`, windows as Qwen2; no "
                          "`attention_bias`", "(tp, pp) = (1,1), (2,1), (1,2); greedy generation as transformers"),
-    "MixtralForCausalLM": ("every layer sparse, softmax top-k renormalised; `router_jitter_noise` must be 0",
-                           "(tp, pp, ep) = (1,1,1), (2,1,1), (1,2,1), (1,1,2), (2,1,2), (2,1,4) spanning TP"),
+    "MixtralForCausalLM": ("every layer sparse, softmax top-k renormalised; `sliding_window` on every layer as "
+                           "Mistral; `router_jitter_noise` must be 0",
+                           "windowed: (tp, pp, ep) = (1,1,1), (2,1,1), (1,2,1), (1,1,2), (2,1,2), (2,1,4) spanning TP; "
+                           "without: (1,1,1)"),
     "Qwen2MoeForCausalLM": ("shared expert behind its sigmoid gate, `norm_topk_prob`, q/k/v biases, dense layers by "
-                            "`decoder_sparse_step` / `mlp_only_layers`", "as Mixtral"),
-    "Qwen3MoeForCausalLM": ("q/k RMSNorm per head, any `head_dim`, `norm_topk_prob`, dense layers as Qwen2-MoE",
+                            "`decoder_sparse_step` / `mlp_only_layers`, windows by `layer_types` as Qwen2",
                             "as Mixtral"),
+    "Qwen3MoeForCausalLM": ("q/k RMSNorm per head, any `head_dim`, `norm_topk_prob`, dense layers as Qwen2-MoE, "
+                            "`use_sliding_window` on every layer", "as Mixtral"),
     "OlmoeForCausalLM": ("q/k RMSNorm over the projection, `norm_topk_prob`; no `clip_qkv`", "as Mixtral"),
     "Gemma2ForCausalLM": ("sandwich (1 + w) RMSNorms, GeGLU, embeddings times sqrt(h), sliding/full `layer_types`, "
                           "attention and final logit soft-capping, `query_pre_attn_scalar`, any `head_dim`, tied",

@@ -2,7 +2,8 @@
 layout, round trips bit-exact in both expert layouts, fine-tuning at ep2 x tp2 exports a better HF model.
 
 Four small random HF models (hidden 32, 2 layers, 4 experts; a Qwen2-MoE with its gated shared expert, tied
-embeddings and a dense first layer; a Qwen3-MoE with head_dim 12 != 32/4 and a dense second layer) are saved once
+embeddings and a dense first layer; a Qwen3-MoE with head_dim 12 != 32/4 and a dense second layer; sliding windows
+of 5 tokens in Mixtral, Qwen2-MoE (layer 0) and Qwen3-MoE, so every check runs past them) are saved once
 per module with ``save_pretrained`` in both layouts transformers writes (one tensor per expert, and fused with
 ``save_original_format=False``) and imported with ``hf_to_zoo``. ``verify`` runs in one 4-rank gloo pool, one task
 per layout verifying all four, against transformers' own models; one torchrun run checks the command end to end.
@@ -37,7 +38,13 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attenti
 LAYOUT_NAMES = ("per-expert", "fused")
 
 
-def hf_model(name: str):
+WINDOW = 5  # shorter than verify's 16 tokens and the generations below: the windows bite
+
+
+def hf_model(name: str, window: int | None = WINDOW):
+    """The tiny model of ``name``; Mixtral's window on every layer, Qwen2-MoE's on layer 0 (its layer_types derived
+    from use_sliding_window: the even layers below max_window_layers), Qwen3-MoE's on every layer; OLMoE has none.
+    ``window=None``: without."""
     from transformers import (
         MixtralConfig,
         MixtralForCausalLM,
@@ -50,16 +57,17 @@ def hf_model(name: str):
     )
 
     if name == "mixtral":
-        return MixtralForCausalLM(MixtralConfig(**COMMON, intermediate_size=48, num_local_experts=4))
+        return MixtralForCausalLM(MixtralConfig(**COMMON, intermediate_size=48, num_local_experts=4,
+                                                sliding_window=window))
     if name == "qwen2-moe":  # layer 0 dense (decoder_sparse_step 2), layer 1 sparse with the gated shared expert
         return Qwen2MoeForCausalLM(Qwen2MoeConfig(
             **{**COMMON, "tie_word_embeddings": True}, intermediate_size=64, moe_intermediate_size=24,
             shared_expert_intermediate_size=40, num_experts=4, decoder_sparse_step=2, norm_topk_prob=False,
-            use_sliding_window=False))
+            use_sliding_window=window is not None, sliding_window=window))
     if name == "qwen3-moe":  # layer 1 dense (mlp_only_layers), q/k RMSNorm per head, head_dim 12
         return Qwen3MoeForCausalLM(Qwen3MoeConfig(
             **COMMON, head_dim=12, intermediate_size=64, moe_intermediate_size=24, num_experts=4, mlp_only_layers=[1],
-            norm_topk_prob=True))
+            norm_topk_prob=True, use_sliding_window=window is not None, sliding_window=window))
     return OlmoeForCausalLM(OlmoeConfig(**COMMON, intermediate_size=48, num_experts=4, norm_topk_prob=False,
                                         pad_token_id=None))
 
@@ -115,6 +123,11 @@ def test_layouts_on_disk_and_import_alike(hf_dirs, zoo_dirs):
     assert (qwen2["decoder_sparse_step"], qwen2["shared_expert_gate"], qwen2["qkv_bias"]) == (2, True, True)
     assert "2.mlp.experts.gate_up_proj" in tensors(zoo_dirs["qwen2-moe", "fused"])  # block 1 sparse,
     assert "1.mlp.fc1.weight" in tensors(zoo_dirs["qwen2-moe", "fused"])  # block 0 dense
+    # the windows: Mixtral's and Qwen3-MoE's on every layer, Qwen2-MoE's where its derived layer_types say
+    assert qwen2["sliding_window"] == WINDOW and qwen2["layer_types"] == ["sliding_attention", "full_attention"]
+    for name in ("mixtral", "qwen3-moe"):
+        config = io.read_config(zoo_dirs[name, "fused"])[1]
+        assert config["sliding_window"] == WINDOW and "layer_types" not in config, name
 
 
 def test_conversions_hold_one_layer_of_experts_at_a_time(hf_dirs, zoo_dirs, tmp_path, monkeypatch):
@@ -292,6 +305,12 @@ def test_bad_input(hf_dirs, zoo_dirs, tmp_path, capsys):
     (jitter / "config.json").write_text(json.dumps({**meta, "router_jitter_noise": 0.1}))
     assert_error(capsys, r"router_jitter_noise 0\.1 is not supported .* set it to 0 in config\.json", "hf-to-zoo",
                  "--src", jitter, "--out", out)
+
+    zero_window = shutil.copytree(hf_dirs["qwen2-moe", "fused"], tmp_path / "zero-window")
+    qwen_meta = json.loads((zero_window / "config.json").read_text())
+    (zero_window / "config.json").write_text(json.dumps({**qwen_meta, "use_sliding_window": False}))
+    assert_error(capsys, r"layer_types has 'sliding_attention' layers but use_sliding_window is false", "hf-to-zoo",
+                 "--src", zero_window, "--out", out)
 
     _, config = io.read_config(zoo_dirs["mixtral", "fused"])
     sigmoid = io.write_model_folder(tmp_path / "sigmoid", "gpt", {**config, "scoring_func": "sigmoid"},

@@ -91,6 +91,10 @@ VARIANTS = {
         "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 8,
         "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0], "long_factor": [1.0, 2.0, 3.0, 5.0, 8.0, 12.0, 16.0,
                                                                                 20.0]})),
+    # The MoE models of MODELS have windows (test_hf_moe.hf_model); these without
+    "MixtralForCausalLM:no-window": lambda: _randomized(moe_cases.hf_model("mixtral", window=None)),
+    "Qwen2MoeForCausalLM:no-window": lambda: _randomized(moe_cases.hf_model("qwen2-moe", window=None)),
+    "Qwen3MoeForCausalLM:no-window": lambda: _randomized(moe_cases.hf_model("qwen3-moe", window=None)),
 }
 
 
@@ -169,6 +173,10 @@ MIXED = ["sliding_attention", "full_attention"] * 2
     ({"qk_norm": "head"}, "Qwen3ForCausalLM"),
     ({"qk_norm": "head", "head_dim": 24, "sliding_window": 8, "layer_types": MIXED}, "Qwen3ForCausalLM"),
     ({"qk_norm": "head", "num_experts": 4, "add_bias": False}, "Qwen3MoeForCausalLM"),
+    ({"num_experts": 4, "sliding_window": 8}, "MixtralForCausalLM"),
+    ({"qk_norm": "head", "num_experts": 4, "sliding_window": 8}, "Qwen3MoeForCausalLM"),
+    ({"qkv_bias": True, "num_experts": 4, "num_shared_experts": 1, "shared_expert_gate": True, "sliding_window": 8,
+      "layer_types": MIXED}, "Qwen2MoeForCausalLM"),
     # no class holds these: refused in one line naming the fields
     ({"sliding_window": 8, "layer_types": MIXED}, None),
     ({"qkv_bias": True, "head_dim": 24}, None),
@@ -209,3 +217,15 @@ def test_export_class_by_features(fields, arch):
         export_architecture(cfg)
     message = str(err.value)
     assert "\n" not in message and f"qk_norm={cfg.qk_norm}, sliding_window={cfg.sliding_window}" in message
+
+
+
+@pytest.mark.parametrize("fields", [{"num_experts": 4}, {"qk_norm": "head", "num_experts": 4}],
+                         ids=["Mixtral", "Qwen3-MoE"])
+def test_moe_windows_that_differ_by_layer_are_refused(fields):
+    """Mixtral and Qwen3-MoE slide on every layer or none: a zoo MoE GPT with per-layer windows exports as neither
+    (one line naming what the class needs); Qwen2-MoE holds it (above)."""
+    cfg = GPTConfig.from_preset("tiny-llama", **fields, sliding_window=8, layer_types=MIXED)
+    with pytest.raises(ConvertError, match="it needs one sliding_window on every layer or none") as err:
+        export_architecture(cfg)
+    assert "\n" not in str(err.value)

@@ -172,3 +172,71 @@ def test_cached_steps_equal_full_forward_with_window_cap_and_scale():
         for start, stop in [(0, 6), (6, 10)] + [(t, t + 1) for t in range(10, seq.shape[1])]:
             got = gen.logits(seq[:, start:stop], caches)
             assert (got - full[:, stop - 1]).abs().max() < 1e-5, (start, stop)
+
+
+def _windowed_model():
+    cfg = GPTConfig.from_preset("tiny-llama", sliding_window=5, layer_types=["sliding_attention", "full_attention"] * 2,
+                                attn_logit_softcapping=3.0, initializer_range=0.15)
+    torch.manual_seed(0)
+    return SpecSequential(layer_specs(cfg)).eval(), cfg
+
+
+@pytest.mark.parametrize("max_len", [24, 200])
+def test_rolling_cache_of_a_windowed_layer_holds_its_window(max_len):
+    """A sliding-window layer's cache holds W positions whatever the generation's length; a full layer's the
+    whole sequence (and a window longer than the generation needs no rolling buffer)."""
+    model, cfg = _windowed_model()
+    caches = Generator(model).new_caches(2, max_len)
+    d, nkv = cfg.head_dim, cfg.num_key_value_heads
+    for i, cache in enumerate(caches):
+        slots = 5 if cfg.attention_window(i) is not None else max_len
+        assert cache.k.shape == cache.v.shape == (2, nkv, slots, d), i
+    windowed = sum(c.k.numel() + c.v.numel() for i, c in enumerate(caches) if cfg.attention_window(i) is not None)
+    assert windowed == 2 * 2 * (2 * nkv * 5 * d)  # two windowed layers, k and v: bounded by W, not max_len
+    assert Generator(model).new_caches(2, 4)[0].k.shape[2] == 4  # W >= max_len: the plain cache
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+def test_rolling_cache_equals_the_full_cache(padded):
+    """Chunks and single steps well past the window (every slot overwritten several times): the rolling caches give
+    the full caches' logits (up to rounding: the keys sit in other memory and, once the buffer wraps, another
+    order), with left padding too."""
+    model, cfg = _windowed_model()
+    gen = Generator(model)
+    seq = torch.randint(0, cfg.vocab_size, (2, 30), generator=torch.Generator().manual_seed(3))
+    pad = torch.tensor([0, 3]) if padded else None
+    rolling, full = gen.new_caches(2, 30, pad), gen.new_caches(2, 30, pad, rolling=False)
+    assert rolling[0].window == 5 and full[0].window is None
+    with torch.inference_mode():
+        for start, stop in [(0, 8), (8, 11), (11, 19)] + [(t, t + 1) for t in range(19, 30)]:
+            a, b = gen.logits(seq[:, start:stop], rolling), gen.logits(seq[:, start:stop], full)
+            assert (a - b).abs().max() < 1e-5, (start, stop)
+            assert a.abs().max() > 0.1
+
+
+def test_generation_with_rolling_caches_equals_recomputing():
+    """generate() past the window many times over: the cached tokens (rolling caches) are those of recomputing every
+    position from scratch (use_cache=False), left-padded rows included."""
+    model, cfg = _windowed_model()
+    ids = torch.randint(1, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(5))
+    mask = torch.tensor([[1] * 6, [0, 0] + [1] * 4])
+    gen = Generator(model)
+    cached = gen.generate(ids, max_new_tokens=25, attention_mask=mask)
+    again = gen.generate(ids, max_new_tokens=25, attention_mask=mask, use_cache=False)
+    assert torch.equal(cached.tokens, again.tokens) and cached.tokens.shape[1] == 31
+
+
+def test_rolling_caches_at_tp2_equal_tp1(tmp_path, dist_run):
+    """Each TP rank's rolling caches hold its own key-value heads: greedy and sampled tokens 20 steps past the
+    window are tp=1's (the model through a model folder, as launch/generate.py loads it)."""
+    from tests.models.test_generate import generate_from_folder, unpadded_tensors
+    from zoo.convert.io import write_model_folder
+
+    model, cfg = _windowed_model()
+    folder = str(tmp_path / "model")
+    write_model_folder(folder, "gpt", cfg.to_dict(), unpadded_tensors(model))
+    ids = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(6))
+    greedy1, sampled1 = generate_from_folder(folder, 1, ids, 20)
+    assert greedy1.shape[1] == 26 and not torch.equal(greedy1, sampled1)
+    for greedy2, sampled2 in dist_run(2, generate_from_folder, folder, 2, ids, 20):
+        assert torch.equal(greedy2, greedy1) and torch.equal(sampled2, sampled1)

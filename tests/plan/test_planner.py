@@ -352,3 +352,66 @@ def test_ep_spanning_tp_is_offered_and_priced():
     # ZeRO-1, bf16 with Adam: 12 bytes of fp32 master and moments per partitioned parameter; 2 EDP ranks vs 1
     assert inside.memory["optimizer"] - folded.memory["optimizer"] == 12 * experts - 12 * experts / 2
     assert "ep_spans_tp=true" in folded.layout.describe()
+
+
+def test_sandwich_norms_are_held_and_saved_as_zoo_does():
+    """Gemma 2's sandwich placement: four norms per block. The planner's per-rank parameters are the built model's
+    (padded vocabulary included), and the activations the two extra norms save for backward, as measured
+    (zoo.training.memory) on one block against the same block with pre-norms, are the planner's difference."""
+    import torch
+
+    from zoo.models.gpt import layer_specs
+    from zoo.models.specs import SpecSequential
+    from zoo.plan.estimate import block_activation_bytes
+    from zoo.training.memory import activations_held
+
+    b, s, measured, predicted = 2, 16, {}, {}
+    for placement in ("pre", "sandwich"):
+        c = GPTConfig.from_preset("tiny-llama", norm_placement=placement)
+        torch.manual_seed(0)
+        model = SpecSequential(layer_specs(c))
+        assert sum(st.dense for st in stages(c, 1, 1)) == sum(p.numel() for p in model.parameters())
+        block = model._funcs[1]
+        x = torch.randn(b, s, c.hidden_size, requires_grad=True)
+        with activations_held(block) as live:
+            block(x).sum().backward()
+        measured[placement] = live.peak
+        predicted[placement] = block_activation_bytes(c, 1, 1, False, "fp32", b * s, s)
+    extra, expected = measured["sandwich"] - measured["pre"], predicted["sandwich"] - predicted["pre"]
+    assert expected > 0 and abs(extra / expected - 1) < 0.05, (extra, expected)
+
+
+def test_windowed_attention_is_priced_by_its_window():
+    """A sliding-window layer's attention costs s x W, not s^2 / 2: ``attended_keys`` is the mean number of keys a
+    query sees under the window's mask (the definition, zoo.models.attention: i - W < j <= i), and a windowed model's
+    compute per token barely grows with the sequence where the full model's grows with it."""
+    from zoo.plan.estimate import attended_keys
+
+    for s, w in [(16, 4), (16, 15), (1000, 37)]:
+        c = GPTConfig.from_preset("tiny-llama", sliding_window=w)
+        pairs = sum(1 for i in range(s) for j in range(s) if i - w < j <= i)
+        assert attended_keys(c, 0, s) * s == pytest.approx(pairs, rel=1e-12), (s, w)
+    for w in (None, 16, 40):  # no window, or one as long as the sequence: the causal half, as flash kernels do
+        assert attended_keys(GPTConfig.from_preset("tiny-llama", sliding_window=w), 0, 16) == 8
+
+    gpu = get_gpu("h100")
+
+    def compute_per_token(window, s):
+        c = GPTConfig.from_preset("mistral-7b", sliding_window=window, max_position_embeddings=65536)
+        e = estimate(Job(config=c, gpus=8, seq_length=s, global_batch=8), Layout(tp=8, dp=1, micro_batch=1,
+                                                                                   recompute="full"), gpu)
+        return e.time["compute"] / (8 * s)
+
+    full = compute_per_token(None, 32768) / compute_per_token(None, 16384)
+    windowed = compute_per_token(4096, 32768) / compute_per_token(4096, 16384)
+    assert full > 1.2 and 1 <= windowed < 1.01, (full, windowed)
+    assert compute_per_token(4096, 32768) < compute_per_token(None, 32768)
+    assert compute_per_token(32768, 32768) == compute_per_token(None, 32768)  # a window that cannot bind
+    # the attention core alone (one block's executed FLOPs): 2 (W - W (W - 1) / 2s) / s of the full layer's
+    from zoo.plan.estimate import _block_cost
+
+    s, attn = 32768, {}
+    for w in (None, 4096):
+        c = GPTConfig.from_preset("mistral-7b", sliding_window=w, max_position_embeddings=65536)
+        attn[w] = _block_cost(c, 0, Layout(tp=8), Job(config=c, gpus=8, seq_length=s, global_batch=8), gpu)[1]
+    assert attn[4096] / attn[None] == pytest.approx((4096 - 4096 * 4095 / (2 * s)) / (s / 2), rel=1e-12)

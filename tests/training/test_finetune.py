@@ -1,6 +1,7 @@
 """Fine-tuning end to end: a tiny random HF GPT-2 (with a BPE tokenizer trained on the task) is fine-tuned at tp=2
 (launch/finetune.py's main in the 2-rank pool, as torchrun runs it) on "reverse <word>:" -> " <drow>", and the
-exported HF folder is checked with transformers alone; bad inputs are refused in one line before anything is written;
+exported HF folder is checked with transformers alone (also for a tiny Mistral whose sliding window is shorter than
+the training sequence); bad inputs are refused in one line before anything is written;
 and launch/train.py trains from a HF folder at tp=2, its first loss being the HF model's own loss on the same batch.
 """
 
@@ -92,6 +93,44 @@ def test_finetune_tp2_exports_a_better_hf_model(task, tmp_path, dist_run):
     assert math.isfinite(after) and after < 0.8 * before, (before, after)
     # The zoo folder beside it holds the same model with its tokenizer.
     assert {"config.json", "tokenizer.json", "generation_config.json"} <= {p.name for p in (out / "model").iterdir()}
+
+
+def test_finetune_tp2_a_sliding_window_mistral(tmp_path, dist_run):
+    """A tiny Mistral whose window (8) is shorter than training.seq_length (32) fine-tunes at tp=2 from its HF folder
+    (the window applied in training, and in the greedy sample's rolling KV cache); the export is a Mistral with the
+    same window, which transformers loads and scores better on the task, and whose window still bites."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.convert.test_hf_gpt import hf_llama
+    from zoo.data.tokenizer import train_bpe_tokenizer
+
+    rows = reverse_rows(64)
+    data = tmp_path / "reverse.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    hf = tmp_path / "hf-mistral"
+    torch.manual_seed(0)
+    hf_llama(arch="mistral", sliding_window=8).save_pretrained(hf)
+    train_bpe_tokenizer([r["prompt"] + r["response"] for r in rows], 300, hf)
+    out = tmp_path / "sft"
+    ranks = dist_run(2, run_main, "zoo.dispatch:finetune_main",
+                     ["--init", hf, "--data", data, "--tp", "2", "--out", out, *FINETUNE])
+    assert [code for code, _, _ in ranks] == [0, 0], [err[-3000:] for _, _, err in ranks]
+    log = "".join(stdout for _, stdout, _ in ranks)
+    assert "tp=2 pp=1 dp=1" in log and "sample (greedy) for the first validation prompt: 'reverse " in log
+
+    original = AutoModelForCausalLM.from_pretrained(hf).eval()
+    tuned = AutoModelForCausalLM.from_pretrained(out / "hf").eval()
+    tok = AutoTokenizer.from_pretrained(out / "hf")
+    assert type(tuned).__name__ == "MistralForCausalLM" and tuned.config.sliding_window == 8
+    a, b = original.state_dict(), tuned.state_dict()
+    assert a.keys() == b.keys() and sum(not torch.equal(a[k], b[k]) for k in a) > len(a) // 2
+    before, after = response_loss(original, tok, rows), response_loss(tuned, tok, rows)
+    assert math.isfinite(after) and after < 0.8 * before, (before, after)
+    ids = torch.randint(1, 300, (1, 32), generator=torch.Generator().manual_seed(0))
+    unwindowed = AutoModelForCausalLM.from_pretrained(out / "hf", sliding_window=None).eval()
+    with torch.no_grad():  # the same weights without the window: other logits past position 8
+        assert (tuned(ids).logits[0, 8:] - unwindowed(ids).logits[0, 8:]).abs().max() > 1e-3
+        torch.testing.assert_close(tuned(ids).logits[0, :8], unwindowed(ids).logits[0, :8], rtol=0, atol=1e-5)
 
 
 def _copy_without_tokenizer(hf: Path, dst: Path) -> Path:

@@ -43,3 +43,17 @@ def test_moe_counts_active_parameters_only():
     attention = 2 * h * (4 + 2 * 2) * d + 2 * 4 * d * h + 4 * s * 4 * d
     dense, sparse = 3 * 2 * h * 176, 2 * h * 8 + 2 * 3 * 2 * h * 32 + 3 * 2 * h * 64 + 2 * h
     assert forward_flops_per_token(q, s) == 4 * attention + 2 * dense + 2 * sparse + 2 * h * V
+
+
+def test_a_sliding_window_layer_counts_its_window():
+    """A layer with a window W < s counts 4 W nq d of attention per token (its W keys per query, in full as the
+    causal ones are), a full layer 4 s nq d; a window as long as the sequence changes nothing."""
+    from zoo.training.metrics import forward_flops_per_token
+
+    s, types = 64, ["sliding_attention", "full_attention"] * 2
+    full = GPTConfig.from_preset("tiny-llama")
+    windowed = GPTConfig.from_preset("tiny-llama", sliding_window=8, layer_types=types)
+    nq, d = full.num_attention_heads, full.head_dim
+    assert forward_flops_per_token(full, s) - forward_flops_per_token(windowed, s) == 2 * 4 * (s - 8) * nq * d
+    assert forward_flops_per_token(GPTConfig.from_preset("tiny-llama", sliding_window=s), s) == \
+        forward_flops_per_token(full, s)

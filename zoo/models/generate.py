@@ -4,6 +4,8 @@ The model is the plain one, ``SpecSequential(layer_specs(config))``, run layer b
 positions that follow the cached ones, each ``GPTBlock`` with a :class:`~zoo.models.gpt.KVCache` attached to its
 attention, then the final norm and the LM head on the last position only. The prompt is one forward; each new
 token one more forward of a single position (Pope et al. 2022, "Efficiently Scaling Transformer Inference").
+A sliding-window layer's cache is a rolling buffer of its last W positions (as Mistral's reference code keeps it),
+so its memory is bounded by the window, not by the generation's length.
 
 Sampling (Holtzman et al. 2019 for top-p) runs on the full-vocabulary logits: the vocab-sharded logits
 ``[b, V_pad/tp]`` are all-gathered and cut to ``vocab_size``, so padded columns are never drawn. Every TP rank
@@ -136,10 +138,14 @@ class Generator:
         logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)  # [b, 1, V_pad]
         return logits[:, 0, : self.config.vocab_size].float()  # padded columns are never candidates
 
-    def new_caches(self, batch: int, max_len: int, pad: torch.Tensor | None = None) -> list[KVCache]:
+    def new_caches(self, batch: int, max_len: int, pad: torch.Tensor | None = None,
+                   rolling: bool = True) -> list[KVCache]:
+        """One cache per block for ``max_len`` positions; a sliding-window block's holds only its last W
+        (``rolling``; False: every block the whole sequence, for comparison)."""
         w = self.embedding.word_embeddings.weight
         return [KVCache(batch, b.attention.num_groups_local, max_len, b.attention.head_dim, dtype=w.dtype,
-                        device=w.device, pad=pad) for b in self.blocks]
+                        device=w.device, pad=pad, window=b.attention.window if rolling else None)
+                for b in self.blocks]
 
     def _same_on_all_ranks(self, tokens: torch.Tensor) -> torch.Tensor:
         """TP rank 0's tokens, on every rank (the draws agree already; this makes it a guarantee)."""

@@ -504,19 +504,30 @@ class QKNorm(nn.Module):
 
 
 class KVCache:
-    """One block's keys and values for incremental decoding, preallocated for ``max_len`` positions.
+    """One block's keys and values for incremental decoding, preallocated for ``max_len`` positions, or for the last
+    ``window`` positions of a sliding-window layer (a rolling buffer).
 
-    A forward with the cache computes keys and values for its s new positions only, writes them at
-    ``[length, length + s)`` and attends to ``[0, length + s)``: the prompt is one forward (s = prompt length), each
-    decoding step one more (s = 1). Rows may be left-padded: the first ``pad[i]`` positions of row i are padding,
-    masked out as keys, and row i's positions count from its first real token, so a padded row computes what it
-    would alone. Inference only: tensors are written in place, nothing is kept for backward.
+    A forward with the cache computes keys and values for its s new positions only, stores them, and attends to the
+    past ones too: the prompt is one forward (s = prompt length), each decoding step one more (s = 1). Rows may be
+    left-padded: the first ``pad[i]`` positions of row i are padding, masked out as keys, and row i's positions count
+    from its first real token, so a padded row computes what it would alone. Inference only: tensors are written in
+    place, nothing is kept for backward.
+
+    Full cache: position p at slot p; a forward writes ``[length, length + s)`` and attends to ``[0, length + s)``,
+    its window (if any) masked by the attention function. Rolling cache (``window`` W < ``max_len``): only W slots,
+    position p at slot p mod W. A query at p sees keys in (p - W, p], so once a decoding step has written its key at
+    slot p mod W (over position p - W, which it may not see) every slot holds a key it sees: it attends to the
+    buffer as it lies, unmasked (keys in any order give the same softmax sum, up to rounding). The prompt attends to
+    its own keys, as the full cache does, and leaves its last W; a chunk after a past, or padded rows, attend to the
+    past in position order (a W-key copy) with an explicit mask. Memory: W positions, not ``max_len``.
     """
 
     def __init__(self, batch: int, num_heads: int, max_len: int, head_dim: int, *, dtype: torch.dtype, device,
-                 pad: torch.Tensor | None = None):
-        # [b, nkv_local, max_len, d]
-        self.k = torch.zeros(batch, num_heads, max_len, head_dim, dtype=dtype, device=device)
+                 pad: torch.Tensor | None = None, window: int | None = None):
+        self.window = window if window is not None and window < max_len else None  # None: the full cache
+        slots = max_len if self.window is None else self.window
+        # [b, nkv_local, slots, d]
+        self.k = torch.zeros(batch, num_heads, slots, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.max_len = max_len
         self.length = 0
@@ -534,7 +545,14 @@ class KVCache:
             return None
         query = torch.arange(self.length, self.length + s, device=device)[:, None]  # [s, 1]
         key = torch.arange(self.length + s, device=device)  # [t]
+        return self._mask(query, key)
+
+    def _mask(self, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        """Queries at positions ``query`` [s, 1] over keys at ``key`` [t]: causal (and the window, rolling), real keys
+        only; ``[s, t]`` or ``[b, 1, s, t]`` with padding."""
         allowed = key <= query  # [s, t]: causal within the new tokens, all past ones visible
+        if self.window is not None:
+            allowed = allowed & (key > query - self.window)
         if self.pad is None:
             return allowed
         real = key >= self.pad[:, None, None]  # [b, 1, t]
@@ -542,7 +560,10 @@ class KVCache:
         return ((allowed & real) | (key == query))[:, None]  # [b, 1, s, t]
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``[b, nkv_local, s, d]`` keys/values after the past ones; return all ``[b, nkv_local, length, d]``."""
+        """Full cache: store ``[b, nkv_local, s, d]`` keys/values after the past ones; return all
+        ``[b, nkv_local, length, d]``."""
+        if self.window is not None:
+            raise ValueError("a rolling (sliding-window) cache has no whole past to return; use update()")
         end = self.length + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache full: {end} positions needed, {self.max_len} allocated")
@@ -550,6 +571,46 @@ class KVCache:
         self.v[:, :, self.length:end] = v
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Store the s new keys/values ``[b, nkv_local, s, d]``; return the keys and values the s new queries attend
+        to and the arguments of :func:`zoo.models.attention.attention` that say how (``causal``, ``attn_mask``,
+        ``q_offset``, and ``window`` where the mask already holds it)."""
+        past, s = self.length, k.shape[2]
+        if self.window is None:
+            mask = self.attention_mask(s, k.device)
+            k, v = self.append(k, v)  # [b, nkv_local, past + s, d]
+            # No mask: an empty cache is plain causal attention (square), a single query sees every key (but those
+            # outside its window: the queries sit at past .. past + s - 1).
+            return k, v, dict(causal=mask is None and past == 0, attn_mask=mask, q_offset=past)
+        if past + s > self.max_len:
+            raise ValueError(f"KV cache full: {past + s} positions needed, {self.max_len} allocated")
+        W = self.window
+        if past == 0:  # the prompt: its own keys, as the full cache attends them (window by the attention function)
+            mask = self.attention_mask(s, k.device)
+            self._store(k, v)
+            return k, v, dict(causal=mask is None, attn_mask=mask, q_offset=0)
+        if s == 1 and self.pad is None:  # a decoding step: every slot written so far is inside its window
+            self._store(k, v)
+            n = min(self.length, W)
+            return self.k[:, :, :n], self.v[:, :, :n], dict(causal=False, attn_mask=None, q_offset=0, window=None)
+        first = max(0, past - W + 1)  # the oldest past position a new query sees
+        order = torch.arange(first, past, device=k.device) % W  # their slots, in position order
+        keys = torch.cat([self.k[:, :, order], k], dim=2)  # [b, nkv_local, past - first + s, d]
+        values = torch.cat([self.v[:, :, order], v], dim=2)
+        query = torch.arange(past, past + s, device=k.device)[:, None]  # [s, 1]
+        mask = self._mask(query, torch.arange(first, past + s, device=k.device))
+        self._store(k, v)
+        return keys, values, dict(causal=False, attn_mask=mask, q_offset=0, window=None)
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Rolling cache: the last (at most W) of the s new positions at their slots p mod W."""
+        s, W = k.shape[2], self.window
+        keep = min(s, W)
+        slots = torch.arange(self.length + s - keep, self.length + s, device=k.device) % W
+        self.k[:, :, slots] = k[:, :, s - keep:]
+        self.v[:, :, slots] = v[:, :, s - keep:]
+        self.length += s
 
 
 class GPTAttention(nn.Module):
@@ -564,8 +625,9 @@ class GPTAttention(nn.Module):
 
     Layer ``layer_idx``'s window (``config.attention_window``), the soft cap and the scale go to the one attention
     function (:func:`zoo.models.attention.attention`) in every path: one process, Ulysses (per rank, after its
-    all-to-all), ring attention (which skips blocks outside the window) and generation. A sliding-window layer keeps
-    the whole KV cache and masks it by the window (a rolling cache of W positions would save memory; not yet).
+    all-to-all), ring attention (which skips blocks outside the window) and generation. In generation a
+    sliding-window layer keeps a rolling cache of its last W positions (:class:`KVCache` with ``window``), the full
+    layers the whole sequence.
     """
 
     def __init__(self, config: GPTConfig, par: ParallelOptions, output_init, layer_idx: int = 0):
@@ -650,12 +712,8 @@ class GPTAttention(nn.Module):
             if pos.dim() == 2:
                 cos, sin = cos[:, None], sin[:, None]  # [b, 1, s, d]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        mask = cache.attention_mask(s, q.device)
-        k, v = cache.append(k, v)  # [b, nkv_local, past + s, d]
-        # No mask: an empty cache is plain causal attention (square), a single query sees every key (but those
-        # outside its window: the queries sit at past .. past + s - 1).
-        out = attention(q, k, v, causal=mask is None and past == 0, attn_mask=mask, q_offset=past,
-                        **self.variant)  # [b, nq_local, s, d]
+        k, v, how = cache.update(k, v)  # the keys the new queries attend to, and how (KVCache.update)
+        out = attention(q, k, v, **{**self.variant, **how})  # [b, nq_local, s, d]
         out = out.transpose(1, 2).reshape(b, s, -1)  # [b, s, nq_local * d]
         return self.dense(out)
 

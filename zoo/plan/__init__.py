@@ -5,9 +5,10 @@ The model (``zoo.plan.estimate``; constants per GPU type in ``zoo.plan.hardware`
 
 Parameters, exactly, from the model config: per layer spec of ``zoo.models.gpt.layer_specs`` and per rank, as
 zoo's layers hold them (QKV with GQA, SwiGLU's fused gate|up, biases by ``add_bias`` / ``qkv_bias``, norms and
-row-parallel biases replicated over TP, the vocabulary padded to a multiple of 128 x tp as Megatron pads it,
-a tied LM head stored again on the last stage as DeepSpeed's TiedLayerSpec does, experts E/ep per rank). Stages
-are cut by DeepSpeed's own ``partition_method: parameters`` algorithm, so the planner's stage 0 is the run's.
+row-parallel biases replicated over TP, four norms per block with Gemma 2's sandwich placement, the vocabulary
+padded to a multiple of 128 x tp as Megatron pads it, a tied LM head stored again on the last stage as DeepSpeed's
+TiedLayerSpec does, experts E/ep per rank). Stages are cut by DeepSpeed's own ``partition_method: parameters``
+algorithm, so the planner's stage 0 is the run's.
 
 Memory per GPU (the fullest stage's rank):
 - parameters, gradients, optimizer state: the ZeRO rules (Rajbhandari et al., arXiv 1910.02054, Sec. 5: 2 + 2
@@ -30,8 +31,9 @@ Step time = (m + p - 1) x the slowest stage's micro-batch time (1F1B; the bubble
 Sec. 2.2.1) + data-parallel communication not hidden + the optimizer step:
 - compute: the FLOPs of ``zoo.training.metrics`` (the counter the training metrics use; with full recomputation
   one more forward of every block), GEMMs at the GPU's sustained matmul efficiency, the attention core at its own
-  efficiency (flash kernels skip the causal half), and the elementwise work (norms, residuals, activation, RoPE,
-  the softmax of the loss) as HBM traffic at the HBM bandwidth;
+  efficiency (flash kernels skip the causal half; a sliding-window layer computes about s x W scores, not s^2 / 2:
+  ``estimate.attended_keys``), and the elementwise work (norms, four per block with sandwich norms, residuals,
+  activation, RoPE, the softmax of the loss) as HBM traffic at the HBM bandwidth;
 - tensor parallel: per layer 2 all-reduces forward and 2 backward (with SP: all-gathers and reduce-scatters of
   the same volume), 2 more per recomputed forward, over NVLink inside a node; pipeline: activations and their
   gradients point to point per micro-batch, partitioned over TP; expert parallel: 2 all-to-alls per MoE layer

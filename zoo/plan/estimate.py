@@ -93,6 +93,19 @@ def _norm_tensors(c) -> list[int]:
     return [c.hidden_size] * (2 if c.normalization == "layernorm" else 1)
 
 
+def block_norms(c) -> int:
+    """Norms per block: before attention and MLP; ``norm_placement="sandwich"`` (Gemma 2) also after each."""
+    return 4 if c.norm_placement == "sandwich" else 2
+
+
+def attended_keys(c, i: int, seq: int) -> float:
+    """The keys a query of block i attends to, on average over a causal sequence of ``seq``: s / 2 (the causal
+    half a flash kernel computes, as the planner has always priced it), or with a window W < s exactly
+    W - W (W - 1) / (2 s) (query j sees min(j + 1, W)): a windowed layer's attention grows with s x W, not s^2."""
+    w = c.attention_window(i)
+    return seq / 2 if w is None or w >= seq else w - w * (w - 1) / (2 * seq)
+
+
 def block_tensors(c, i: int, tp: int, ep: int = 1) -> tuple[list[int], list[int]]:
     """``(dense, expert)`` parameter tensors (element counts) of block i on one rank: TP splits the QKV / MLP
     columns and the output projections' rows; norms, output biases and the router are replicated; experts are
@@ -101,7 +114,7 @@ def block_tensors(c, i: int, tp: int, ep: int = 1) -> tuple[list[int], list[int]
     qkv = (nq + 2 * nkv) * d
     dense = [qkv * h // tp] + [qkv // tp] * c.use_qkv_bias + [nq * d * h // tp] + [h] * c.add_bias
     dense += {None: [], "head": [d, d], "full": [nq * d // tp, nkv * d // tp]}[c.qk_norm]
-    dense += 2 * _norm_tensors(c)
+    dense += block_norms(c) * _norm_tensors(c)
     swiglu = c.gated_mlp
     expert = []
     if c.is_moe_layer(i):
@@ -256,7 +269,7 @@ def block_activation_bytes(c, i: int, tp: int, sp: bool, dtype: str, tokens: int
 
       norms (x2)    LayerNorm: its input (a) + mean, rstd (fp32); RMSNorm (fp32 statistics, as HF): the fp32 input
                     (4; the input itself in fp32 runs), the normalised fp32 -> input dtype (a) and the weighted
-                    output (a), + rstd; x g = 1/tp under sequence parallelism
+                    output (a), + rstd; x g = 1/tp under sequence parallelism; x4 with sandwich norms
       QKV / fc1     their input (a, gathered over TP under SP: full s), + the QKV output (a (nq + 2 nkv) d / tp:
                     q, k, v are views of it)
       RoPE          the rotated q and k (a (nq + nkv) d / tp)
@@ -295,7 +308,7 @@ def block_activation_bytes(c, i: int, tp: int, sp: bool, dtype: str, tokens: int
     else:
         f = c.intermediate_size // tp
         mlp = a * h * (1 if sp else g) + (4 if c.gated_mlp else 2) * a * f
-    return tokens * (2 * norm + attn + mlp)
+    return tokens * (block_norms(c) * norm + attn + mlp)
 
 
 def head_activation_bytes(c, tp: int, sp: bool, dtype: str, tokens: int, fused: bool = False) -> float:
@@ -378,7 +391,8 @@ def _collective_time(nbytes: float, ranks: int, kind: str, gpu: GPU, inter: bool
 
 def block_flops(c, i: int, seq: int) -> tuple[float, float]:
     """Forward ``(GEMM, attention core)`` FLOPs per token of block i, as ``zoo.training.metrics`` counts them
-    (causal attention counted in full); the attention kernel executes half of its count (causal)."""
+    (causal attention counted in full: s keys per query, min(s, W) with a window); the attention kernel executes
+    ``attended_keys`` per query of them."""
     h, d, nq, nkv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
     k = 3 if c.gated_mlp else 2
     gemm = 2 * h * (nq + 2 * nkv) * d + 2 * nq * d * h
@@ -387,7 +401,7 @@ def block_flops(c, i: int, seq: int) -> tuple[float, float]:
                                                      + c.shared_intermediate_size) + 2 * h * c.shared_expert_gate
     else:
         gemm += 2 * h * c.intermediate_size * k
-    return gemm, 4 * seq * nq * d
+    return gemm, 4 * min(seq, c.attention_window(i) or seq) * nq * d
 
 
 def score_traffic(a: int, dropout: bool) -> float:
@@ -400,15 +414,15 @@ def score_traffic(a: int, dropout: bool) -> float:
 
 
 def elementwise_bytes(c, i: int, tp: int, sp: bool, dtype: str) -> float:
-    """HBM traffic per token of block i's forward outside GEMMs and attention: the norms (read + write), the two
-    residual adds (2 reads + 1 write), the activation function, RoPE of q and k."""
+    """HBM traffic per token of block i's forward outside GEMMs and attention: the norms (read + write; four with
+    sandwich norms), the two residual adds (2 reads + 1 write), the activation function, RoPE of q and k."""
     a = DTYPE_BYTES[dtype]
     h, d, nq, nkv, g = _dims(c, tp, sp)
     f = (c.num_experts_per_tok * c.expert_intermediate_size + c.shared_intermediate_size) / tp \
         if c.is_moe_layer(i) else c.intermediate_size / tp
     act = 3 * f if c.gated_mlp else 2 * f
     rope = 2 * (nq + nkv) * d if c.position_embedding_type == "rope" else 0
-    return a * ((2 * 2 + 2 * 3) * h * g + act + rope)
+    return a * ((block_norms(c) * 2 + 2 * 3) * h * g + act + rope)
 
 
 def _inter(group_span: int, gpu: GPU) -> bool:
@@ -422,18 +436,19 @@ def _block_cost(c, i: int, lay: Layout, job: Job, gpu: GPU) -> tuple:
     TP communication seconds of all passes, EP communication seconds of all passes)."""
     s, a, rc = job.seq_length, DTYPE_BYTES[job.dtype], 1 if lay.recompute == "full" else 0
     tokens = lay.micro_batch * s // lay.cp  # this rank's share of the micro-batch (context parallelism)
-    g, at = block_flops(c, i, s)  # every query still attends over the whole sequence
+    g, at = block_flops(c, i, s)  # as the metrics count them
     gemm, attn_extra, extra_bytes = g * tokens / lay.tp, 0.0, 0.0
     elem = elementwise_bytes(c, i, lay.tp, lay.sp, job.dtype) * tokens
-    if job.attention == "unfused":  # the whole s x s square is computed and streamed through HBM
+    if job.attention == "unfused":  # the whole s x s square is computed and streamed through HBM (window or not)
+        at = 4 * s * c.num_attention_heads * c.head_dim
         attn = at * tokens / lay.tp
         scores = lay.micro_batch * c.num_attention_heads // lay.tp * s * s // lay.cp
         elem += scores * score_traffic(a, c.attention_dropout > 0) / 3  # per pass, as elem counts
         if lay.recompute == "selective":  # the attention core once more in backward
             attn_extra = at * tokens / lay.tp
             extra_bytes = scores * score_traffic(a, c.attention_dropout > 0) / 3
-    else:
-        attn = at * tokens / lay.tp / 2  # causal: the kernel skips the masked half
+    else:  # causal: the kernel skips the masked half; a window, all but the W keys before each query
+        attn = at * tokens / lay.tp * attended_keys(c, i, s) / min(s, c.attention_window(i) or s)
     tp_inter = _inter(lay.tp, gpu)
     tp_comm = 0.0
     for kind in (("all_gather", "reduce_scatter") if lay.sp else ("all_reduce", "all_reduce")):

@@ -5,7 +5,8 @@ Megatron does):
 
     per layer:  2h(nq + 2 nkv)d        QKV projection (grouped-query attention: nkv <= nq key/value heads)
               + 2 nq d h               attention output projection
-              + 4 s nq d               scores QK^T and the weighted sum over V
+              + 4 s nq d               scores QK^T and the weighted sum over V (a sliding-window layer, W < s:
+                                       4 W nq d, its W keys per query counted in full as s are without one)
               + 2 h f k                MLP, k = 2 matrices (GELU) or 3 (SwiGLU: gate, up, down)
     MoE layers (zoo.models.moe) count the parameters one token uses, instead of the MLP:
               + 2 h E                  router logits over the E experts
@@ -34,10 +35,12 @@ def forward_flops_per_token(config, seq_length: int) -> float:
     h, L, s = config.hidden_size, config.num_hidden_layers, seq_length
     d, nq, nkv, f = config.head_dim, config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
     mlp_matrices = 3 if config.gated_mlp else 2
-    attention = 2 * h * (nq + 2 * nkv) * d + 2 * nq * d * h + 4 * s * nq * d
+    projections = 2 * h * (nq + 2 * nkv) * d + 2 * nq * d * h
     mlp = 2 * h * f * mlp_matrices
+    window = getattr(config, "attention_window", lambda i: None)
     total = 0
     for i in range(L):
+        attention = projections + 4 * min(s, window(i) or s) * nq * d
         if getattr(config, "num_experts", 0) and config.is_moe_layer(i):
             total += attention + 2 * h * config.num_experts + 2 * h * mlp_matrices * (
                 config.num_experts_per_tok * config.expert_intermediate_size + config.shared_intermediate_size)

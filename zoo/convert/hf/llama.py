@@ -122,8 +122,8 @@ def full_rope(cfg: GPTConfig, partial: bool = False, nope: bool = False) -> bool
 
 
 def refuse_window(need, c, window, sliding: bool = True) -> None:
-    """A window shorter than the context is refused where layers slide (the MoE classes: their converters do not
-    map windows yet, though zoo's block has them)."""
+    """A window shorter than the context is refused where layers slide (a class whose converter maps no window:
+    OLMoE, through ``moe.base_fields``)."""
     need(not sliding or window is None or window >= c.max_position_embeddings,
          f"sliding_window {window} < max_position_embeddings {c.max_position_embeddings}: zoo does not convert a "
          f"sliding window for this class")

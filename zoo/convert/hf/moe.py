@@ -30,6 +30,10 @@ What each architecture fixes (anything else in config.json is refused in one lin
              any ``head_dim``
   OLMoE      every layer sparse; RMSNorm of q and k over the whole projection; ``norm_topk_prob``; no ``clip_qkv``
 
+Sliding windows: Mixtral and Qwen3-MoE slide on every layer (``sliding_window``; Qwen3-MoE only with
+``use_sliding_window``), Qwen2-MoE on the layers its ``layer_types`` marks, as the dense Mistral and Qwen2 do
+(``llama.window_every_layer``, ``llama.window_by_layer_types``); OLMoE has none.
+
 The router loss coefficients are training settings and stay at zoo's 0 on import (HF adds its own loss only with
 ``output_router_logits``, pooled over layers and k times zoo's per-layer one); Mixtral's ``router_jitter_noise``
 must be 0. zoo's ``capacity_factor`` (token dropping, a training setting) has no HF field: transformers runs
@@ -167,16 +171,16 @@ def check_experts(groups: list[list[Row]], cfg: GPTConfig, options: dict, shapes
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def base_fields(arch: str, c, *, count_field: str = "num_experts", sliding_by_layer_types: bool = False) -> dict:
-    """The GPTConfig fields every MoE class fixes the same way, after the refusals they share (one line each)."""
+def base_fields(arch: str, c, *, count_field: str = "num_experts", windows=None) -> dict:
+    """The GPTConfig fields every MoE class fixes the same way, after the refusals they share (one line each).
+    ``windows(c)``: the class's sliding-window fields (``llama.window_every_layer`` for Mixtral and Qwen3-MoE,
+    ``qwen2_moe`` its own by ``layer_types``); None (OLMoE): a window shorter than the context is refused."""
     need = refusal(arch)
     need(c.hidden_act == "silu", f"hidden_act {c.hidden_act!r} is not supported (zoo's SwiGLU experts use silu)")
     need(not getattr(c, "attention_bias", False), "attention_bias=True is not supported (only Qwen2-MoE's q/k/v "
                                                   "biases are)")
-    window = getattr(c, "sliding_window", None)
-    if sliding_by_layer_types:  # only the layers layer_types marks slide
-        window = window if "sliding_attention" in (getattr(c, "layer_types", None) or []) else None
-    llama.refuse_window(need, c, window)
+    if windows is None:
+        llama.refuse_window(need, c, getattr(c, "sliding_window", None))
     E = getattr(c, count_field)
     need(E >= 1, f"{count_field} {E}: a mixture of experts needs at least one")
     heads = c.num_attention_heads
@@ -191,7 +195,7 @@ def base_fields(arch: str, c, *, count_field: str = "num_experts", sliding_by_la
                 activation="swiglu", add_bias=False, tie_word_embeddings=bool(c.tie_word_embeddings),
                 rope_theta=theta, rope_scaling=scaling, initializer_range=c.initializer_range,
                 attention_dropout=float(getattr(c, "attention_dropout", 0.0) or 0.0),
-                num_experts=E, num_experts_per_tok=c.num_experts_per_tok)
+                num_experts=E, num_experts_per_tok=c.num_experts_per_tok, **(windows(c) if windows else {}))
 
 
 def qwen_fields(c) -> dict:
@@ -218,7 +222,15 @@ def qwen_hf_fields(cfg: GPTConfig) -> dict:
     dense = sorted(set(cfg.mlp_only_layers) | set(range(min(cfg.first_k_dense_replace, cfg.num_hidden_layers))))
     return dict(intermediate_size=cfg.intermediate_size, moe_intermediate_size=cfg.expert_intermediate_size,
                 num_experts=cfg.num_experts, decoder_sparse_step=cfg.decoder_sparse_step, mlp_only_layers=dense,
-                norm_topk_prob=cfg.norm_topk_prob, use_sliding_window=False, sliding_window=None)
+                norm_topk_prob=cfg.norm_topk_prob, use_sliding_window=not llama.is_windowless(cfg),
+                sliding_window=None if llama.is_windowless(cfg) else cfg.sliding_window)
+
+
+def one_window(cfg: GPTConfig) -> bool:
+    """Mixtral's and Qwen3-MoE's windows: none, or ``sliding_window`` on every layer (their configs have no
+    per-layer types)."""
+    return llama.is_windowless(cfg) or {cfg.attention_window(i) for i in range(cfg.num_hidden_layers)} == {
+        cfg.sliding_window}
 
 
 def all_sparse(cfg: GPTConfig) -> bool:

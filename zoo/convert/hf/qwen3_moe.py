@@ -1,21 +1,25 @@
 """Qwen3MoeForCausalLM: the shared MoE pieces (``moe.py``) with Qwen3-MoE's differences.
 
 Qwen2-MoE's layer choice and widths, no shared expert, no biases, RMSNorm of q and k over each head
-(``qk_norm="head"``), any ``head_dim``.
+(``qk_norm="head"``), any ``head_dim``. Its window is Mistral's: with ``use_sliding_window`` every layer slides
+(Qwen3MoeConfig has no ``max_window_layers`` or ``layer_types``; its model reads ``sliding_window`` on every layer),
+so a window shorter than the context imports as zoo's ``sliding_window`` with ``layer_types`` None, and exports
+back with ``use_sliding_window``; a zoo MoE GPT whose layers' windows differ is refused.
 """
 
 from __future__ import annotations
 
 import torch
 
-from zoo.convert.hf import moe
+from zoo.convert.hf import llama, moe
 from zoo.models.gpt import GPTConfig
 
 NAME = "Qwen3MoeForCausalLM"
 
 
 def to_zoo(c) -> GPTConfig:
-    return moe.gpt_config({**moe.base_fields(NAME, c), **moe.qwen_fields(c), "qk_norm": "head"})
+    fields = moe.base_fields(NAME, c, windows=llama.window_every_layer)
+    return moe.gpt_config({**fields, **moe.qwen_fields(c), "qk_norm": "head"})
 
 
 def exports(cfg: GPTConfig) -> bool:
@@ -23,7 +27,8 @@ def exports(cfg: GPTConfig) -> bool:
 
 
 def rules(cfg: GPTConfig) -> list:
-    return [(not cfg.num_shared_experts, "no shared expert"), (not cfg.use_qkv_bias, "no q/k/v bias")]
+    return [(not cfg.num_shared_experts, "no shared expert"), (not cfg.use_qkv_bias, "no q/k/v bias"),
+            (moe.one_window(cfg), "one sliding_window on every layer or none (no layer_types)")]
 
 
 def to_hf(cfg: GPTConfig, dtype: torch.dtype, special: dict):
