@@ -22,6 +22,7 @@ import torch
 from deepspeed.pipe import PipelineModule
 
 from zoo.models.gpt import GPTBlock, GPTEmbedding, GPTFinalNorm, KVCache
+from zoo.models.rope import switch_length
 from zoo.models.specs import SpecSequential
 from zoo.parallel.mappings import gather_from_tensor_model_parallel_region
 
@@ -190,9 +191,13 @@ class Generator:
             prompt_seconds = 0.0
             caches = self.new_caches(b, s + max_new_tokens - 1, pad) if use_cache else None
             step_ids = ids
+            switch = switch_length(cfg)
+            switch = cfg.max_position_embeddings + 1 if switch is None else switch  # None: never re-encode
             for step in range(max_new_tokens):
                 if not use_cache:  # everything again, in a fresh cache as long as the sequence
                     caches, step_ids = self.new_caches(b, tokens.shape[1], pad), tokens
+                elif 0 < caches[0].length <= switch < tokens.shape[1]:  # longrope's long factors from here on:
+                    caches, step_ids = self.new_caches(b, s + max_new_tokens - 1, pad), tokens  # re-encode (as HF)
                 logits = self.logits(step_ids, caches)
                 nxt = self._same_on_all_ranks(sample_next(logits, sampling, generator))
                 if eos_token_id is not None:

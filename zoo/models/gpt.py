@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import NamedTuple
 
@@ -42,6 +41,15 @@ from torch import nn
 from zoo.models.attention import attention
 from zoo.models.config import TransformerConfig, preset_config
 from zoo.models.moe import GPTMoE
+from zoo.models.rope import (  # noqa: F401 (_ROPE_TABLES, rope_inv_freq re-exported)
+    _ROPE_TABLES,
+    apply_rope,
+    layer_rope,
+    rope_inv_freq,
+    rope_table,
+    switch_length,
+    validate_rope,
+)
 from zoo.parallel.context_parallel import (
     ALGORITHMS as CP_ALGORITHMS,
 )
@@ -94,7 +102,10 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
     qkv_bias: bool | None = None  # a bias on the fused QKV projection; None: = add_bias (True, add_bias False: Qwen2)
     tie_word_embeddings: bool = True
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # {"rope_type": "linear", "factor": f} | {"rope_type": "llama3", ...}
+    rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3" | "yarn" | "longrope", ...} (zoo.models.rope)
+    partial_rotary_factor: float = 1.0  # Phi-3, NeoX: only the first int(head_dim * f) features of a head rotate
+    no_rope_layers: list[int] | None = None  # SmolLM3: per layer, 1 RoPE, 0 none (NoPE); None: RoPE on every layer
+    rope_local_base_freq: float | None = None  # Gemma 3: sliding layers' theta (plain RoPE); None: rope_theta
     initializer_range: float = 0.02
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
@@ -171,11 +182,7 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
              f"{self.num_key_value_heads}")
         need(self.qkv_bias is None or isinstance(self.qkv_bias, bool),
              f"qkv_bias must be true, false or null (= add_bias), got {self.qkv_bias!r}")
-        need(self.position_embedding_type != "rope" or self.head_dim % 2 == 0,
-             f"RoPE needs an even head dim, got {self.head_dim}")
-        if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            need(kind in ("linear", "llama3"), f"rope_scaling type must be 'linear' or 'llama3', got {kind!r}")
+        validate_rope(self, need)
         need(self.qk_norm in (None, "head", "full"), f"qk_norm must be null, 'head' or 'full', got {self.qk_norm!r}")
         self._validate_attention(need)
         self._validate_moe(need)
@@ -357,6 +364,7 @@ _ADDED_FIELDS = ("qkv_bias", "qk_norm", "num_experts", "num_experts_per_tok", "m
                  "router_aux_loss_coef", "router_aux_loss_type", "router_z_loss_coef", "capacity_factor")
 _ADDED_FIELDS += ("sliding_window", "layer_types", "attn_logit_softcapping", "query_pre_attn_scalar")
 _ADDED_FIELDS += ("norm_weight_offset", "norm_placement", "embedding_multiplier", "final_logit_softcapping")
+_ADDED_FIELDS += ("partial_rotary_factor", "no_rope_layers", "rope_local_base_freq")
 _ADDED_FIELDS += ("global_head_dim", "num_global_key_value_heads", "attention_k_eq_v", "v_norm", "layer_scalar")
 ACTIVATIONS = ("gelu", "swiglu", "geglu")
 GATED_ACTIVATIONS = {"swiglu": F.silu, "geglu": functools.partial(F.gelu, approximate="tanh")}  # the gate's function
@@ -515,58 +523,6 @@ def v_norm(v, eps: float):
     return (v32 * torch.rsqrt(v32.pow(2).mean(-1, keepdim=True) + eps)).to(v.dtype)
 
 
-def rope_inv_freq(config: GPTConfig) -> torch.Tensor:
-    """theta^(-2i/d) for i < d/2, with linear or Llama-3 (wavelength-banded) scaling applied."""
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq.float()
-    kind, factor = scaling.get("rope_type", scaling.get("type")), float(scaling["factor"])
-    if kind == "linear":
-        return (inv_freq / factor).float()
-    # Llama 3: long wavelengths slowed by `factor`, short ones kept, a smooth blend in between.
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    old_len = float(scaling["original_max_position_embeddings"])
-    wavelen = 2 * math.pi / inv_freq
-    smooth = ((old_len / wavelen - low) / (high - low)).clamp(0.0, 1.0)
-    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    out = torch.where(wavelen > old_len / low, inv_freq / factor, blended)
-    return torch.where(wavelen < old_len / high, inv_freq, out).float()
-
-
-_ROPE_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def rope_table(config: GPTConfig, length: int, device, dtype: torch.dtype):
-    """cos, sin of shape ``[n, d]`` for positions ``0 .. n-1``, ``n = max(length, max_position_embeddings)`` (the d/2
-    frequencies repeated, rotate-half layout as in HF Llama).
-
-    Computed once per (frequencies, n, device, dtype) and shared by every layer, instead of once per layer and step.
-    Built outside inference mode, so a table first made during generation can still be saved for backward later.
-    """
-    n = max(length, config.max_position_embeddings)
-    scaling = None if config.rope_scaling is None else tuple(sorted(config.rope_scaling.items()))
-    key = (config.head_dim, config.rope_theta, scaling, n, torch.device(device), dtype)
-    table = _ROPE_TABLES.get(key)
-    if table is None:
-        with torch.inference_mode(False), torch.no_grad():
-            inv_freq = rope_inv_freq(config).to(device)
-            freqs = torch.outer(torch.arange(n, device=device).float(), inv_freq)  # [n, d/2]
-            emb = torch.cat((freqs, freqs), dim=-1)  # [n, d]
-            table = emb.cos().to(dtype), emb.sin().to(dtype)
-        if len(_ROPE_TABLES) >= 16:  # a handful of (device, dtype) pairs in practice; never grow without bound
-            _ROPE_TABLES.clear()
-        _ROPE_TABLES[key] = table
-    return table
-
-
-def apply_rope(x, cos, sin):
-    """x: [b, n, s, d]; cos, sin: [s, d] or [b, 1, s, d]. Rotates pairs (x_i, x_{i+d/2}) by the position's angle."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 class KVCache:
     """One block's keys and values for incremental decoding, preallocated for ``max_len`` positions.
 
@@ -636,6 +592,8 @@ class GPTAttention(nn.Module):
         super().__init__()
         self.config = config
         self.window = config.attention_window(layer_idx)
+        self.layer_idx, self.has_rope = layer_idx, layer_rope(config, layer_idx) is not None
+        self.switch = switch_length(config, layer_idx)  # longrope: where the long factors start; else None
         self.variant = dict(window=self.window, softcap=config.attn_logit_softcapping, scale=config.attention_scale)
         # Gemma 4's full-attention layers have their own head dim and kv heads, and may hold no v rows (k = v).
         d, nq, nkv = config.layer_head_dim(layer_idx), config.num_attention_heads, config.layer_kv_heads(layer_idx)
@@ -686,8 +644,8 @@ class GPTAttention(nn.Module):
             v = v_norm(v, self.config.norm_eps)
         if kv_cache is not None:
             return self._forward_cached(q, k, v, kv_cache)
-        if self.config.position_embedding_type == "rope":
-            cos, sin = rope_table(self.rope_config, s * self.cp, x.device, q.dtype)
+        if self.has_rope:
+            cos, sin = rope_table(self.rope_config, s * self.cp, x.device, q.dtype, self.layer_idx)
             if self.cp == 1:
                 cos, sin = cos[:s], sin[:s]  # [s, d]
             else:  # this rank's tokens sit at their global positions
@@ -713,9 +671,11 @@ class GPTAttention(nn.Module):
         """q: [b, nq_local, s, d], k, v: [b, nkv_local, s, d] for the s new positions; attends to the past too."""
         b, _, s, _ = q.shape
         past = cache.length
-        if self.config.position_embedding_type == "rope":
+        if self.has_rope:
             pos = cache.positions(s, q.device)  # [s] or [b, s]
-            cos, sin = rope_table(self.rope_config, past + s, q.device, q.dtype)
+            # The sequence's length (longrope's factor set follows it): its largest position + 1, as in HF.
+            length = past + s if cache.pad is None or self.switch is None else int(pos.max()) + 1
+            cos, sin = rope_table(self.rope_config, length, q.device, q.dtype, self.layer_idx)
             cos, sin = cos[pos], sin[pos]  # [s, d] or [b, s, d]
             if pos.dim() == 2:
                 cos, sin = cos[:, None], sin[:, None]  # [b, 1, s, d]
