@@ -300,6 +300,13 @@ NOTES = {
     "Gemma2ForCausalLM": ("sandwich (1 + w) RMSNorms, GeGLU, embeddings times sqrt(h), sliding/full `layer_types`, "
                           "attention and final logit soft-capping, `query_pre_attn_scalar`, any `head_dim`, tied",
                           "(tp, pp) = (1,1), (2,1), (1,2); training at tp2+SP, pp2, cp2 (Ulysses, ring), ZeRO-2"),
+    "Gemma4ForCausalLM": ("the text model: full-attention layers with their own head dim and kv heads "
+                          "(`global_head_dim`, `num_global_key_value_heads`) and k = v (`attention_k_eq_v`), q/k "
+                          "RMSNorm per head and the weightless v norm, layer scalars, sandwich RMSNorms, GeGLU, "
+                          "sliding/full `layer_types` with their own RoPE (plain local theta, proportional global), "
+                          "final soft-cap, tied; refused: per-layer input embeddings, KV sharing, the MoE block",
+                          "(tp, pp) = (1,1), (2,1), (1,2); greedy generation as transformers; training at tp2+SP, "
+                          "pp2, cp2 (Ulysses, ring), ZeRO-2"),
     "BertModel": ("no head; sentence-embedding (sentence-transformers) folders import; WordPiece files pass "
                   "through", "(tp, pp) = (2,2)"),
     "BertForMaskedLM": ("MLM head tied to the word embeddings", "(tp, pp) = (1,1), (2,1), (1,2), (2,2)"),

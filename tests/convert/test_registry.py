@@ -55,6 +55,7 @@ MODELS = {
     "Qwen3MoeForCausalLM": lambda: _randomized(moe_cases.hf_model("qwen3-moe")),
     "OlmoeForCausalLM": lambda: _randomized(moe_cases.hf_model("olmoe")),
     "Gemma2ForCausalLM": lambda: _randomized(gpt_cases.hf_gemma2()),
+    "Gemma4ForCausalLM": lambda: _randomized(gpt_cases.hf_gemma4()),
     "BertModel": lambda: bert_cases.hf_model("BertModel"),
     "BertForMaskedLM": lambda: bert_cases.hf_model("BertForMaskedLM"),
     "BertForPreTraining": lambda: bert_cases.hf_model("BertForPreTraining"),
@@ -156,6 +157,9 @@ MIXED = ["sliding_attention", "full_attention"] * 2
     ({"norm_weight_offset": 1.0}, None),
     ({"embedding_multiplier": 8.0}, None),
     ({"final_logit_softcapping": 30.0}, None),
+    # Llama's blocks with one of Gemma 4's: the weightless v norm, the layer scalars
+    ({"v_norm": True}, None),
+    ({"layer_scalar": True}, None),
 ])
 def test_export_class_by_features(fields, arch):
     """A zoo GPT exports as the first registered class whose ``exports`` takes it: windows go to Mistral (every

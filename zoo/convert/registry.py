@@ -67,6 +67,7 @@ ARCHITECTURES = Registry("HF architecture", (
     "zoo.convert.hf.qwen3_moe",
     "zoo.convert.hf.olmoe",
     "zoo.convert.hf.gemma2",
+    "zoo.convert.hf.gemma4",
     "zoo.convert.hf.bert",
     "zoo.convert.hf.unet2d",
 ), "ARCHITECTURES")

@@ -29,3 +29,12 @@ def zoo_config(cls, fields: dict):
 def hf_special(special: dict) -> dict:
     """The bos / eos / pad ids for an HF config (None where the zoo folder kept none)."""
     return {k: special.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+
+
+GEMMA4_FIELDS = ("global_head_dim", "num_global_key_value_heads", "attention_k_eq_v", "v_norm", "layer_scalar")
+
+
+def fields_off(cfg, names=GEMMA4_FIELDS) -> bool:
+    """Whether the GPT config fields ``names`` are all off (None / False): an architecture without those features
+    must not export a model that has them."""
+    return not any(getattr(cfg, name) for name in names)

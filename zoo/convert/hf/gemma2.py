@@ -16,7 +16,7 @@ import math
 import torch
 
 from zoo.convert.hf import llama
-from zoo.convert.hf.common import hf_special, refusal, zoo_config
+from zoo.convert.hf.common import fields_off, hf_special, refusal, zoo_config
 from zoo.convert.registry import Architecture
 from zoo.convert.tables import Row, blocks, same
 from zoo.models.gpt import FAMILY, GPTConfig
@@ -65,7 +65,7 @@ def to_zoo(c) -> GPTConfig:
 
 def exports(cfg: GPTConfig) -> bool:
     """A dense zoo GPT with Gemma 2's block: GeGLU, sandwich (1 + w) RMSNorms, embeddings times sqrt(h)."""
-    return (not cfg.num_experts and cfg.qk_norm is None
+    return (not cfg.num_experts and cfg.qk_norm is None and fields_off(cfg)
             and (cfg.position_embedding_type, cfg.normalization, cfg.activation, cfg.add_bias, cfg.use_qkv_bias,
                  cfg.norm_weight_offset, cfg.norm_placement) == ("rope", "rmsnorm", "geglu", False, False, 1.0,
                                                                  "sandwich")

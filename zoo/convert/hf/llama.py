@@ -17,7 +17,7 @@ from functools import partial
 import torch
 
 from zoo.convert.errors import ConvertError
-from zoo.convert.hf.common import hf_special, refusal, zoo_config
+from zoo.convert.hf.common import fields_off, hf_special, refusal, zoo_config
 from zoo.convert.hf.gpt2 import embed_prefix, head_rows
 from zoo.convert.registry import Architecture
 from zoo.convert.tables import (
@@ -153,7 +153,7 @@ def is_llama(cfg: GPTConfig, qkv_bias: bool = False, qk_norm: str | None = None)
     scaled and uncapped as Llama's, plain pre-norm RMSNorms, unscaled embeddings and uncapped logits."""
     return (not cfg.num_experts and cfg.qk_norm == qk_norm and cfg.attn_logit_softcapping is None
             and cfg.query_pre_attn_scalar is None and cfg.norm_weight_offset == 0.0 and cfg.norm_placement == "pre"
-            and cfg.embedding_multiplier is None and cfg.final_logit_softcapping is None
+            and cfg.embedding_multiplier is None and cfg.final_logit_softcapping is None and fields_off(cfg)
             and (cfg.position_embedding_type, cfg.normalization, cfg.activation, cfg.add_bias, cfg.use_qkv_bias)
             == ("rope", "rmsnorm", "swiglu", False, qkv_bias))
 
