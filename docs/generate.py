@@ -327,6 +327,13 @@ NOTES = {
     "SmolLM3ForCausalLM": ("NoPE layers (`no_rope_layers`), windows by `layer_types` with `use_sliding_window`, any "
                            "`head_dim`", "(tp, pp) = (1,1), (2,1), (1,2); NoPE + partial rotary training at tp2+SP, "
                            "pp2, cp2 (Ulysses, ring), ZeRO-2"),
+    "Gemma4ForCausalLM": ("the text model: full-attention layers with their own head dim and kv heads "
+                          "(`global_head_dim`, `num_global_key_value_heads`) and k = v (`attention_k_eq_v`), q/k "
+                          "RMSNorm per head and the weightless v norm, layer scalars, sandwich RMSNorms, GeGLU, "
+                          "sliding/full `layer_types` with their own RoPE (plain local theta, proportional global), "
+                          "final soft-cap, tied; refused: per-layer input embeddings, KV sharing, the MoE block",
+                          "(tp, pp) = (1,1), (2,1), (1,2); greedy generation as transformers; training at tp2+SP, "
+                          "pp2, cp2 (Ulysses, ring), ZeRO-2"),
     "BertModel": ("no head; sentence-embedding (sentence-transformers) folders import; WordPiece files pass "
                   "through", "(tp, pp) = (2,2)"),
     "BertForMaskedLM": ("MLM head tied to the word embeddings", "(tp, pp) = (1,1), (2,1), (1,2), (2,2)"),

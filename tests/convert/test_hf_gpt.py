@@ -204,6 +204,26 @@ def hf_gemma3(**overrides):
                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
                bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS, attn_implementation="eager")
     return Gemma3ForCausalLM(Gemma3TextConfig(**{**cfg, **overrides}))
+def hf_gemma4(**overrides):
+    """A tiny Gemma 4 text model: sliding layers of head_dim 16 with 2 kv heads and a window of 5 (shorter than
+    verify's sequence), full layers of head_dim 32 with 1 kv head and k = v, proportional RoPE on a quarter of the
+    full layers' frequencies, layer scalars apart from 1, the final soft-cap, tied embeddings; eager attention (HF's
+    reference)."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}
+    cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+               attention_k_eq_v=True, max_position_embeddings=64, rms_norm_eps=1e-6, sliding_window=5,
+               layer_types=["sliding_attention", "full_attention"] * 2, rope_parameters=rope,
+               final_logit_softcapping=3.0, hidden_size_per_layer_input=0, bos_token_id=EOS, eos_token_id=EOS,
+               pad_token_id=EOS, attn_implementation="eager")
+    model = Gemma4ForCausalLM(Gemma4TextConfig(**{**cfg, **overrides}))
+    with torch.no_grad():  # the layer scalars are buffers (randomize_ moves parameters only): away from 1 too
+        for i, layer in enumerate(model.model.layers):
+            layer.layer_scalar.fill_(0.5 + 0.25 * i)
+    return model
 
 
 CASES = {
@@ -217,6 +237,7 @@ CASES = {
                               use_sliding_window=False),
     "qwen2-tied": lambda: hf_llama(arch="qwen2", tied=True, kv_heads=1, use_sliding_window=False),
     "gemma2": lambda: hf_gemma2(),
+    "gemma4": lambda: hf_gemma4(num_global_key_value_heads=2),  # 2 kv heads on every layer: tp 2 splits them
     # Windows shorter than verify's 16 tokens: every layer (Mistral), the layers after max_window_layers (Qwen3,
     # with per-head q/k norm and head_dim 24 != 64 / 4).
     "mistral-window": lambda: hf_llama(arch="mistral", sliding_window=5),
@@ -236,6 +257,7 @@ CASES = {
 LAYOUT_CASES = ["gpt2", "llama-untied", "llama-tied"]
 QWEN2_LAYOUTS = [(1, 1), (2, 2)]  # Qwen2 differs from Llama by its biases only: two layouts suffice
 GEMMA2_LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # sandwich norms under SP-free TP, the tied soft-capped head over PP
+GEMMA4_LAYOUTS = [(2, 1), (1, 2)]  # per-layer head shapes, k = v under TP, layer scalars over PP; tp 1: test_registry
 WINDOW_CASES, WINDOW_LAYOUTS = ["mistral-window", "qwen3"], [(2, 1), (1, 2)]  # tp 1, pp 1: tests/convert/test_registry
 BLOCK_CASES = ["olmo2", "olmo3", "granite", "neox"]  # at WINDOW_LAYOUTS too (tp 1: test_registry)
 ROPE_CASES, ROPE_LAYOUTS = ["smollm3", "phi3", "gemma3"], [(2, 1), (1, 2)]  # tp 1, pp 1: tests/convert/test_registry
@@ -325,7 +347,8 @@ def test_verify_every_layout(hf_dirs, zoo_dirs, dist_run):
         names = (LAYOUT_CASES + (["qwen2"] if (tp, pp) in QWEN2_LAYOUTS else [])
                  + (WINDOW_CASES + BLOCK_CASES if (tp, pp) in WINDOW_LAYOUTS else [])
                  + (["gemma2"] if (tp, pp) in GEMMA2_LAYOUTS else [])
-                 + (ROPE_CASES if (tp, pp) in ROPE_LAYOUTS else []))
+                 + (ROPE_CASES if (tp, pp) in ROPE_LAYOUTS else [])
+                 + (["gemma4"] if (tp, pp) in GEMMA4_LAYOUTS else []))
         pairs = [(str(hf_dirs[n]), str(zoo_dirs[n])) for n in names]
         per_rank = dist_run(4, verify_cases, pairs, tp, pp)
         assert all(r == per_rank[0] for r in per_rank)  # every rank returns rank 0's number
@@ -467,7 +490,7 @@ def hf_tensors(folder: Path) -> dict:
                                               ("qwen3", None, "40KB"), ("olmo2", None, None),
                                               ("olmo3", None, "40KB"), ("granite", "bf16", None), ("neox", None, None),
                                               ("smollm3", None, None), ("phi3", "bf16", "40KB"),
-                                              ("gemma3", None, None)])
+                                              ("gemma3", None, None), ("gemma4", None, "40KB")])
 def test_round_trip_bit_exact_and_same_generation(name, dtype, shard, hf_dirs, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -63,6 +63,7 @@ MODELS = {
     "Gemma3ForCausalLM": lambda: _randomized(gpt_cases.hf_gemma3()),
     "Phi3ForCausalLM": lambda: _randomized(gpt_cases.hf_phi3()),
     "SmolLM3ForCausalLM": lambda: _randomized(gpt_cases.hf_smollm3()),
+    "Gemma4ForCausalLM": lambda: _randomized(gpt_cases.hf_gemma4()),
     "BertModel": lambda: bert_cases.hf_model("BertModel"),
     "BertForMaskedLM": lambda: bert_cases.hf_model("BertForMaskedLM"),
     "BertForPreTraining": lambda: bert_cases.hf_model("BertForPreTraining"),
@@ -205,6 +206,9 @@ MIXED = ["sliding_attention", "full_attention"] * 2
     ({"partial_rotary_factor": 0.5}, "Phi3ForCausalLM"),
     ({"partial_rotary_factor": 0.5, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}, None),
     ({"rope_local_base_freq": 1e4, "sliding_window": 8, "layer_types": MIXED}, None),
+    # Llama's blocks with one of Gemma 4's: the weightless v norm, the layer scalars
+    ({"v_norm": True}, None),
+    ({"layer_scalar": True}, None),
 ])
 def test_export_class_by_features(fields, arch):
     """A zoo GPT exports as the first registered class whose ``exports`` takes it: windows go to Mistral (every

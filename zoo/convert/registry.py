@@ -71,6 +71,7 @@ ARCHITECTURES = Registry("HF architecture", (
     "zoo.convert.hf.granite",
     "zoo.convert.hf.gpt_neox",
     "zoo.convert.hf.gemma3",
+    "zoo.convert.hf.gemma4",
     "zoo.convert.hf.phi3",
     "zoo.convert.hf.smollm3",
     "zoo.convert.hf.bert",

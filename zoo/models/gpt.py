@@ -135,6 +135,13 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
     logits_scaling: float | None = None
     embedding_multiplier: float | None = None  # token embeddings times this, cast to their dtype (Gemma: sqrt(h))
     final_logit_softcapping: float | None = None  # Gemma 2: logits = c tanh(logits / c)
+    # Gemma 4: its full-attention layers have heads of their own width and count, and may take the values from the
+    # keys' projection; values may be RMS-normed without a weight; each block's output may be scaled by a constant.
+    global_head_dim: int | None = None  # head dim of the full-attention layers (None: head_dim)
+    num_global_key_value_heads: int | None = None  # kv heads of the full-attention layers (None: num_key_value_heads)
+    attention_k_eq_v: bool = False  # full-attention layers: v = the key projection (before k norm and RoPE)
+    v_norm: bool = False  # values RMS-normed over each head, no weight (Gemma 4)
+    layer_scalar: bool = False  # each block's output times its ``layer_scalar`` buffer (Gemma 4; loaded, not trained)
     # Mixture of experts (zoo.models.moe; HF names). Defaults: a dense model. Which layers: is_moe_layer().
     num_experts: int = 0  # Mixtral: num_local_experts; DeepSeek: n_routed_experts. 0: dense
     num_experts_per_tok: int = 2  # top-k
@@ -216,6 +223,19 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
              f"use_parallel_residual must be true or false, got {self.use_parallel_residual!r}")
         need(not self.use_parallel_residual or self.norm_placement == "pre",
              f"use_parallel_residual needs norm_placement 'pre' (NeoX's), got {self.norm_placement!r}")
+        for name in ("global_head_dim", "num_global_key_value_heads"):
+            value = getattr(self, name)
+            need(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
+                 f"{name} must be a positive integer or null, got {value!r}")
+        gkv = self.num_global_key_value_heads
+        need(gkv is None or self.num_attention_heads % gkv == 0,
+             f"num_attention_heads {self.num_attention_heads} is not divisible by num_global_key_value_heads {gkv}")
+        need(self.position_embedding_type != "rope" or (self.global_head_dim or 2) % 2 == 0,
+             f"RoPE needs an even global_head_dim, got {self.global_head_dim}")
+        full = [i for i in range(self.num_hidden_layers) if self.is_full_attention(i)]
+        need(not (self.attention_k_eq_v or self.global_head_dim or gkv) or full,
+             "attention_k_eq_v / global_head_dim / num_global_key_value_heads apply to full-attention layers, and "
+             "layer_types has none")
 
     def _validate_moe(self, need) -> None:
         E, k = self.num_experts, self.num_experts_per_tok
@@ -252,6 +272,26 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
             return None
         kind = "sliding_attention" if self.layer_types is None else self.layer_types[i]
         return self.sliding_window if kind == "sliding_attention" else None
+
+    def is_full_attention(self, i: int) -> bool:
+        """Whether layer i is a full-attention layer by its type (``layer_types``; without it, every layer is
+        when there is no ``sliding_window``): Gemma 4's global layers, whatever the sequence length."""
+        if self.layer_types is not None:
+            return self.layer_types[i] == "full_attention"
+        return self.sliding_window is None
+
+    def layer_head_dim(self, i: int) -> int:
+        """Layer i's head dim: ``global_head_dim`` on full-attention layers where set, else ``head_dim``."""
+        return self.global_head_dim if self.global_head_dim and self.is_full_attention(i) else self.head_dim
+
+    def layer_kv_heads(self, i: int) -> int:
+        """Layer i's key-value heads: ``num_global_key_value_heads`` on full-attention layers where set."""
+        gkv = self.num_global_key_value_heads
+        return gkv if gkv and self.is_full_attention(i) else self.num_key_value_heads
+
+    def layer_k_eq_v(self, i: int) -> bool:
+        """Whether layer i's values are its keys' projection (``attention_k_eq_v``, full-attention layers)."""
+        return self.attention_k_eq_v and self.is_full_attention(i)
 
     @property
     def attention_scale(self) -> float | None:
@@ -301,25 +341,31 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
             raise ValueError(f"ep {ep} needs a mixture-of-experts model (num_experts > 0)")
         if ep > 1 and self.num_experts % ep:
             raise ValueError(f"num_experts {self.num_experts} is not divisible by ep {ep}; use an ep that divides it")
+        gkv = self.num_global_key_value_heads
+        if gkv and gkv % tp:
+            raise ValueError(f"num_global_key_value_heads {gkv} is not divisible by tp {tp}; use a tp that divides it")
         super().check_layout(tp, pp)
 
     def num_parameters(self, include_embeddings: bool = True, active: bool = False) -> int:
         """Parameters of the unpadded model (as a HF checkpoint counts them). ``active``: those one token uses,
         i.e. only ``num_experts_per_tok`` of the routed experts of each MoE layer (router and shared ones in full)."""
         h, f, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
-        d, nq, nkv = self.head_dim, self.num_attention_heads, self.num_key_value_heads
-        bias = self.add_bias
+        nq, bias = self.num_attention_heads, self.add_bias
         norm = h * (2 if self.normalization == "layernorm" else 1)
         block_norms = 4 if self.norm_placement == "sandwich" else 2
-        attn = h * (nq + 2 * nkv) * d + nq * d * h + self.use_qkv_bias * (nq + 2 * nkv) * d + bias * h
+
+        def attn(i):  # a Gemma 4 full-attention layer has its own head dim and kv heads, and no v rows with k = v
+            d, nkv, kv = self.layer_head_dim(i), self.layer_kv_heads(i), 1 if self.layer_k_eq_v(i) else 2
+            out = h * (nq + kv * nkv) * d + nq * d * h + self.use_qkv_bias * (nq + kv * nkv) * d + self.add_bias * h
+            return out + {None: 0, "head": 2 * d, "full": (nq + nkv) * d}[self.qk_norm]
+
         bias = self.use_mlp_bias
-        attn += {None: 0, "head": 2 * d, "full": (nq + nkv) * d}[self.qk_norm]
         per_h = 3 if self.gated_mlp else 2  # weights per (hidden, intermediate) pair
         mlp = per_h * h * f + bias * ((2 * f if self.gated_mlp else f) + h)
         routed = self.num_experts_per_tok if active else self.num_experts
         moe = (self.num_experts * h + routed * per_h * h * self.expert_intermediate_size
                + per_h * h * self.shared_intermediate_size + self.shared_expert_gate * h)
-        total = sum(attn + block_norms * norm + (moe if self.is_moe_layer(i) else mlp) for i in range(L)) + norm
+        total = sum(attn(i) + block_norms * norm + (moe if self.is_moe_layer(i) else mlp) for i in range(L)) + norm
         if include_embeddings:
             total += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
             if self.position_embedding_type == "learned":
@@ -353,6 +399,7 @@ _ADDED_FIELDS += ("norm_weight_offset", "norm_placement", "embedding_multiplier"
 _ADDED_FIELDS += ("mlp_bias", "use_parallel_residual", "residual_multiplier", "attention_multiplier", "logits_scaling")
 _ADDED_FIELDS += ("partial_rotary_factor", "no_rope_layers", "rope_local_base_freq")
 ACTIVATIONS = ("gelu", "gelu_exact", "swiglu", "geglu")
+_ADDED_FIELDS += ("global_head_dim", "num_global_key_value_heads", "attention_k_eq_v", "v_norm", "layer_scalar")
 GATED_ACTIVATIONS = {"swiglu": F.silu, "geglu": functools.partial(F.gelu, approximate="tanh")}  # the gate's function
 NORM_PLACEMENTS = ("pre", "sandwich", "post")
 LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's names
@@ -478,12 +525,12 @@ class QKNorm(nn.Module):
     of the projection, ``weight`` [n*d] sharded over TP like the heads; the sum of squares is all-reduced.
     """
 
-    def __init__(self, config: GPTConfig, num_heads: int, tp_group):
+    def __init__(self, config: GPTConfig, num_heads: int, tp_group, head_dim: int | None = None):
         super().__init__()
         self.kind, self.eps, self.num_heads = config.qk_norm, config.norm_eps, num_heads
         self.offset = config.norm_weight_offset
         self.tp_group, self.tp = tp_group, group_rank_and_size(tp_group)[1]
-        d = config.head_dim
+        d = config.head_dim if head_dim is None else head_dim  # a Gemma 4 full-attention layer's own
         self.weight = nn.Parameter(torch.full((d if self.kind == "head" else num_heads // self.tp * d,),
                                               1.0 - self.offset))
         if self.kind == "full":
@@ -501,6 +548,12 @@ class QKNorm(nn.Module):
             mean_square = square_sum / (self.num_heads * x.shape[-1])
             w = self.weight.view(x.shape[1], 1, x.shape[-1])  # [n_local, 1, d]
         return _scale(x32 * torch.rsqrt(mean_square + self.eps), w, self.offset, x.dtype)
+
+
+def v_norm(v, eps: float):
+    """Gemma 4's value norm: RMSNorm over each head's d features in fp32, without a weight."""
+    v32 = v.float()
+    return (v32 * torch.rsqrt(v32.pow(2).mean(-1, keepdim=True) + eps)).to(v.dtype)
 
 
 class KVCache:
@@ -637,8 +690,16 @@ class GPTAttention(nn.Module):
         self.layer_idx, self.has_rope = layer_idx, layer_rope(config, layer_idx) is not None
         self.switch = switch_length(config, layer_idx)  # longrope: where the long factors start; else None
         self.variant = dict(window=self.window, softcap=config.attn_logit_softcapping, scale=config.attention_scale)
-        d, nq, nkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
-        self.qkv = ColumnParallelLinear(config.hidden_size, (nq + 2 * nkv) * d, bias=config.use_qkv_bias,
+        # Gemma 4's full-attention layers have their own head dim and kv heads, and may hold no v rows (k = v).
+        d, nq, nkv = config.layer_head_dim(layer_idx), config.num_attention_heads, config.layer_kv_heads(layer_idx)
+        self.k_eq_v = config.layer_k_eq_v(layer_idx)
+        self.kv_rows = 1 if self.k_eq_v else 2  # per group: [q heads, k, v] or [q heads, k]
+        if d != config.head_dim:  # RoPE tables are made for the layer's head dim
+            self.rope_config = replace(config, head_dim=d, global_head_dim=None, num_global_key_value_heads=None,
+                                       attention_k_eq_v=False, layer_types=None, sliding_window=None)
+        else:
+            self.rope_config = config
+        self.qkv = ColumnParallelLinear(config.hidden_size, (nq + self.kv_rows * nkv) * d, bias=config.use_qkv_bias,
                                         init_method=init_method_normal(config.initializer_range),
                                         sequence_parallel=par.sequence_parallel, tp_group=par.tp_group)
         self.dense = RowParallelLinear(nq * d, config.hidden_size, bias=config.add_bias, input_is_parallel=True,
@@ -654,8 +715,8 @@ class GPTAttention(nn.Module):
             check_ulysses_heads(nq // tp, self.cp)
         self.q_norm = self.k_norm = None
         if config.qk_norm is not None:
-            self.q_norm = QKNorm(config, nq, self.qkv.tp_group)
-            self.k_norm = QKNorm(config, nkv, self.qkv.tp_group)
+            self.q_norm = QKNorm(config, nq, self.qkv.tp_group, d)
+            self.k_norm = QKNorm(config, nkv, self.qkv.tp_group, d)
         self.kv_cache: KVCache | None = None  # set by the generator for the duration of a generation
 
     def forward(self, x, kv_cache: KVCache | None = None):
@@ -668,16 +729,18 @@ class GPTAttention(nn.Module):
                              "model with ParallelOptions(cp_group=None)")
         qkv = self.qkv(x)  # [b, s, g_local * (q_per_group + 2) * d]
         b, s, _ = qkv.shape
-        qkv = qkv.view(b, s, self.num_groups_local, self.q_per_group + 2, self.head_dim)
+        qkv = qkv.view(b, s, self.num_groups_local, self.q_per_group + self.kv_rows, self.head_dim)
         q = qkv[:, :, :, : self.q_per_group].reshape(b, s, -1, self.head_dim).transpose(1, 2)  # [b, nq_local, s, d]
         k = qkv[:, :, :, self.q_per_group].transpose(1, 2)  # [b, nkv_local, s, d]
-        v = qkv[:, :, :, self.q_per_group + 1].transpose(1, 2)
+        v = k if self.k_eq_v else qkv[:, :, :, self.q_per_group + 1].transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.config.v_norm:
+            v = v_norm(v, self.config.norm_eps)
         if kv_cache is not None:
             return self._forward_cached(q, k, v, kv_cache)
         if self.has_rope:
-            cos, sin = rope_table(self.config, s * self.cp, x.device, q.dtype, self.layer_idx)
+            cos, sin = rope_table(self.rope_config, s * self.cp, x.device, q.dtype, self.layer_idx)
             if self.cp == 1:
                 cos, sin = cos[:s], sin[:s]  # [s, d]
             else:  # this rank's tokens sit at their global positions
@@ -707,7 +770,7 @@ class GPTAttention(nn.Module):
             pos = cache.positions(s, q.device)  # [s] or [b, s]
             # The sequence's length (longrope's factor set follows it): its largest position + 1, as in HF.
             length = past + s if cache.pad is None or self.switch is None else int(pos.max()) + 1
-            cos, sin = rope_table(self.config, length, q.device, q.dtype, self.layer_idx)
+            cos, sin = rope_table(self.rope_config, length, q.device, q.dtype, self.layer_idx)
             cos, sin = cos[pos], sin[pos]  # [s, d] or [b, s, d]
             if pos.dim() == 2:
                 cos, sin = cos[:, None], sin[:, None]  # [b, 1, s, d]
@@ -876,6 +939,10 @@ class GPTBlock(nn.Module):
         output = config.norm_placement in ("sandwich", "post")  # the sublayers' output norms
         self.attention_output_norm = Norm(config, par) if output else nn.Identity()
         self.mlp_output_norm = Norm(config, par) if output else nn.Identity()
+        if config.layer_scalar:  # Gemma 4: a constant of the checkpoint (a buffer, as in HF), saved and loaded
+            self.register_buffer("layer_scalar", torch.ones(1))
+        else:
+            self.layer_scalar = None
 
     def _residual(self, out):
         """A sublayer's output as added to the residual stream: dropout, times ``residual_multiplier``."""
@@ -886,9 +953,11 @@ class GPTBlock(nn.Module):
     def forward(self, x):
         attn = self._residual(self.attention_output_norm(self.attention(self.input_norm(x))))
         if self.config.use_parallel_residual:  # NeoX: both sublayers read x; one sum (HF's order: mlp + attn + x)
-            return self._residual(self.mlp_output_norm(self.mlp(self.post_attention_norm(x)))) + attn + x
-        x = x + attn
-        return x + self._residual(self.mlp_output_norm(self.mlp(self.post_attention_norm(x))))
+            out = self._residual(self.mlp_output_norm(self.mlp(self.post_attention_norm(x)))) + attn + x
+        else:
+            x = x + attn
+            out = x + self._residual(self.mlp_output_norm(self.mlp(self.post_attention_norm(x))))
+        return out if self.layer_scalar is None else out * self.layer_scalar.to(out.dtype)  # Gemma 4
 
 
 class GPTFinalNorm(Norm):

@@ -17,6 +17,8 @@ Types, as transformers' ``ROPE_INIT_FUNCTIONS`` compute them (the tests compare 
   ``long_factor`` beyond it; cos and sin times its attention factor. Which set a forward uses follows the sequence
   length (the largest position + 1), so a generation crossing the switch re-encodes its prefix with the long set
   (``switch_length``; :class:`zoo.models.generate.Generator` does it, as transformers' Phi-3 does);
+- proportional (Gemma 4's full-attention layers): the plain frequencies of the whole head, of which only the first
+  ``int(partial_rotary_factor * d / 2)`` turn (the others are 0: those features pass), divided by ``factor``;
 - dynamic (NTK) is refused: its frequencies change with every length a forward sees.
 
 Every table is ``[n, rotary_dim]`` (rotate-half layout, as HF Llama), computed once per settings, length, device and
@@ -30,14 +32,16 @@ import math
 
 import torch
 
-ROPE_TYPES = ("linear", "llama3", "yarn", "longrope")  # rope_scaling's rope_type; None: plain RoPE
+ROPE_TYPES = ("linear", "llama3", "yarn", "longrope", "proportional")  # rope_scaling's rope_type; None: plain RoPE
 _REQUIRED = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                                "original_max_position_embeddings"),
              "yarn": ("factor", "original_max_position_embeddings"),
-             "longrope": ("short_factor", "long_factor", "original_max_position_embeddings")}
+             "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+             "proportional": ()}
 _OPTIONAL = {"linear": (), "llama3": (), "yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale",
                                                   "mscale_all_dim", "truncate"),
-             "longrope": ("factor", "attention_factor")}
+             "longrope": ("factor", "attention_factor"),
+             "proportional": ("factor", "partial_rotary_factor")}
 
 
 def rope_kind(scaling: dict | None) -> str | None:
@@ -162,6 +166,10 @@ def rope_inv_freq(config, layer_idx: int = 0, seq_len: int | None = None) -> tor
         return torch.where(wavelen < old_len / high, inv_freq, out).float()
     if kind == "yarn":
         return _yarn_inv_freq(config, scaling, theta, inv_freq).float()
+    if kind == "proportional":  # Gemma 4: the first fraction of the d/2 frequencies turn, the rest are 0 (pass)
+        turning = int(float(scaling.get("partial_rotary_factor", 1.0)) * d // 2)
+        inv_freq[turning:] = 0.0
+        return (inv_freq / float(scaling.get("factor", 1.0))).float()
     # longrope: one factor per frequency, the long set once the sequence outgrows the original length
     long = seq_len is not None and seq_len > _original_length(scaling)
     ext = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float64)

@@ -33,14 +33,17 @@ PEAK_TFLOPS_16BIT = {"H200": 989.5, "H100": 989.5, "H800": 989.5, "A100": 312.0,
 
 def forward_flops_per_token(config, seq_length: int) -> float:
     h, L, s = config.hidden_size, config.num_hidden_layers, seq_length
-    d, nq, nkv, f = config.head_dim, config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
+    nq, f = config.num_attention_heads, config.intermediate_size
     mlp_matrices = 3 if config.gated_mlp else 2
-    projections = 2 * h * (nq + 2 * nkv) * d + 2 * nq * d * h
     mlp = 2 * h * f * mlp_matrices
     window = getattr(config, "attention_window", lambda i: None)
     total = 0
     for i in range(L):
-        attention = projections + 4 * min(s, window(i) or s) * nq * d
+        # a GPT's layers may differ in head dim and kv heads (Gemma 4's full-attention layers), and hold no v rows
+        d = config.layer_head_dim(i) if hasattr(config, "layer_head_dim") else config.head_dim
+        nkv = config.layer_kv_heads(i) if hasattr(config, "layer_kv_heads") else config.num_key_value_heads
+        kv = 1 if getattr(config, "layer_k_eq_v", lambda i: False)(i) else 2
+        attention = 2 * h * (nq + kv * nkv) * d + 2 * nq * d * h + 4 * min(s, window(i) or s) * nq * d
         if getattr(config, "num_experts", 0) and config.is_moe_layer(i):
             total += attention + 2 * h * config.num_experts + 2 * h * mlp_matrices * (
                 config.num_experts_per_tok * config.expert_intermediate_size + config.shared_intermediate_size)

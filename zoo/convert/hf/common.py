@@ -33,7 +33,15 @@ def hf_special(special: dict) -> dict:
 
 def plain_block(cfg) -> bool:
     """A zoo GPT without the block features only OLMo 2 (post-norm), GPT-NeoX (parallel residual, exact GELU, MLP
-    biases apart from the attention's) and Granite (the multipliers) have: what the other classes' ``exports`` need."""
+    biases apart from the attention's), Granite (the multipliers) and Gemma 4 (``GEMMA4_FIELDS``) have: what the
+    other classes' ``exports`` need."""
     return (cfg.norm_placement != "post" and not cfg.use_parallel_residual and cfg.activation != "gelu_exact"
             and cfg.use_mlp_bias == cfg.add_bias and cfg.residual_multiplier is None
-            and cfg.attention_multiplier is None and cfg.logits_scaling is None)
+            and cfg.attention_multiplier is None and cfg.logits_scaling is None and fields_off(cfg))
+GEMMA4_FIELDS = ("global_head_dim", "num_global_key_value_heads", "attention_k_eq_v", "v_norm", "layer_scalar")
+
+
+def fields_off(cfg, names=GEMMA4_FIELDS) -> bool:
+    """Whether the GPT config fields ``names`` are all off (None / False): an architecture without those features
+    must not export a model that has them."""
+    return not any(getattr(cfg, name) for name in names)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from zoo.convert.hf import llama
-from zoo.convert.hf.common import hf_special, refusal, zoo_config
+from zoo.convert.hf.common import fields_off, hf_special, refusal, zoo_config
 from zoo.convert.hf.gpt2 import embed_prefix, head_rows
 from zoo.convert.registry import Architecture
 from zoo.convert.tables import Row, blocks, same
@@ -83,7 +83,7 @@ def exports(cfg: GPTConfig) -> bool:
     """RoPE, LayerNorm, exact GELU with MLP biases, multi-head attention, q/k/v biased as dense is; no other
     block feature (norms pre, no q/k norm, window, multiplier or soft-cap)."""
     return (not cfg.num_experts and cfg.qk_norm is None and llama.is_windowless(cfg)
-            and llama.full_rope(cfg, partial=True)
+            and llama.full_rope(cfg, partial=True) and fields_off(cfg)
             and (cfg.position_embedding_type, cfg.normalization, cfg.activation, cfg.use_mlp_bias, cfg.norm_placement)
             == ("rope", "layernorm", "gelu_exact", True, "pre")
             and cfg.use_qkv_bias == cfg.add_bias and cfg.num_key_value_heads == cfg.num_attention_heads
