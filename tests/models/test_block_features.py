@@ -62,6 +62,7 @@ def pair(name, tmp_path, seed: int = 0):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_logits_and_greedy_generation_equal_transformers(name, tmp_path):
     hf, model, cfg = pair(name, tmp_path)
+    assert cfg.num_parameters() == sum(p.numel() for p in hf.parameters())  # norms and biases counted as HF has them
     ids = torch.randint(0, cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))  # 20 > window 5
     with torch.no_grad():
         theirs, ours = hf(ids).logits, model(ids)[..., : cfg.vocab_size]

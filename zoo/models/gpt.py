@@ -115,11 +115,9 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
     # "pre": x + f(norm(x)) | "sandwich": x + norm(f(norm(x))) (Gemma 2/3) | "post": x + norm(f(x)) (OLMo 2)
     norm_placement: str = "pre"
     use_parallel_residual: bool = False  # NeoX: x + attn(norm1(x)) + mlp(norm2(x)), both sublayers read x
-    # Granite (HF names): x + m f(...) for both sublayers; the scores' scale itself (instead of 1/sqrt(d)); logits
-    # divided by logits_scaling (the fused LM head + loss divides its input instead: the same product).
-    residual_multiplier: float | None = None
-    attention_multiplier: float | None = None
-    logits_scaling: float | None = None
+    residual_multiplier: float | None = None  # Granite: x + m f(...) for both sublayers
+    attention_multiplier: float | None = None  # Granite: the scores' scale itself, instead of 1/sqrt(d)
+    logits_scaling: float | None = None  # Granite: logits / s (the fused LM head + loss divides its input instead)
     embedding_multiplier: float | None = None  # token embeddings times this, cast to their dtype (Gemma: sqrt(h))
     final_logit_softcapping: float | None = None  # Gemma 2: logits = c tanh(logits / c)
     # Mixture of experts (zoo.models.moe; HF names). Defaults: a dense model. Which layers: is_moe_layer().
