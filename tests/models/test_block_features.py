@@ -7,8 +7,9 @@ gives the same logits and the same greedy generation (zoo's KV cache) as transfo
 loss divides by ``logits_scaling`` as the plain head does (loss and gradients). Refusals are one line, naming the
 field. Training: a tiny OLMo-2-like model (post-norm + q/k norm over the projection) and a tiny NeoX-like one
 (parallel residual, LayerNorm, exact GELU, biases; with Granite's multipliers and the fused LM head + loss on top)
-train the same in every layout as in one process (fp32, 1e-5 relative, 3 steps): tp2 + SP, pp2, dp2 under ZeRO-2
-(tests/training/test_gpt_layouts.py's runs) and cp2 with Ulysses and ring attention (test_cp_layouts.py's runs).
+train the same in every layout as in one process (fp32, 1e-5 relative, 3 steps): tp2 + SP, pp2 (with and without
+recompute), dp2 under ZeRO-2 (tests/training/test_gpt_layouts.py's runs) and cp2 with Ulysses and ring attention
+(test_cp_layouts.py's runs).
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ NEOX = ["model.use_parallel_residual=true", "model.normalization=layernorm", "mo
         "model.add_bias=true", "model.residual_multiplier=0.5", "model.attention_multiplier=0.2",
         "model.logits_scaling=2.0", "model.embedding_multiplier=2.0", "training.fused_cross_entropy=true"]
 BLOCKS = {"olmo2": OLMO2, "neox": NEOX}
-LAYOUTS = ["tp2-sp", "pp2", "dp2-zero2", "cp2-ulysses", "cp2-ring"]
+LAYOUTS = ["tp2-sp", "pp2", "pp2-recompute", "dp2-zero2", "cp2-ulysses", "cp2-ring"]
 _reference = {}
 
 

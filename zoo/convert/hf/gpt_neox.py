@@ -100,7 +100,7 @@ def to_hf(cfg: GPTConfig, dtype: torch.dtype, special: dict):
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
         num_attention_heads=cfg.num_attention_heads, intermediate_size=cfg.intermediate_size, hidden_act="gelu",
         max_position_embeddings=cfg.max_position_embeddings, layer_norm_eps=cfg.norm_eps,
-        rope_parameters={**llama.rope_parameters(cfg), "partial_rotary_factor": 1.0},
+        rope_parameters={**llama.rope_parameters(cfg), "partial_rotary_factor": 1.0},  # TODO(rope merge): the field
         use_parallel_residual=cfg.use_parallel_residual, attention_bias=cfg.add_bias,
         hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
         initializer_range=cfg.initializer_range, tie_word_embeddings=cfg.tie_word_embeddings,
