@@ -3,9 +3,10 @@
 GPT-2 (Radford et al. 2019): learned positions, LayerNorm, GELU (tanh), biases, tied embeddings.
 Llama (Touvron et al. 2023): rotary positions (RoPE, Su et al. 2021, with linear or Llama-3 frequency scaling),
 RMSNorm, SwiGLU (Shazeer 2020), no biases, grouped-query attention (Ainslie et al. 2023), tied or untied head.
-Options on top: q/k biases (Qwen2), q/k RMSNorm per head (Qwen3) or over the projection (OLMoE), a head dim other
-than h / heads, and mixture-of-experts MLPs in some or all blocks (Mixtral, Qwen-MoE, OLMoE, DeepSeek routing;
-:mod:`zoo.models.moe`).
+Options on top: q/k biases (Qwen2), q/k RMSNorm per head (Qwen3) or over the projection (OLMoE, OLMo 2), a head dim
+other than h / heads, and mixture-of-experts MLPs in some or all blocks (Mixtral, Qwen-MoE, OLMoE, DeepSeek routing;
+:mod:`zoo.models.moe`). Block variants: sandwich norms (Gemma 2) or post-norm (OLMo 2), the parallel residual and exact
+GELU with MLP biases apart from the attention's (GPT-NeoX), Granite's residual / attention / logit multipliers.
 
 Parallel plan (Megatron-LM, arXiv 1909.08053): fused QKV and MLP fc1 (or gate/up) are column-parallel, the
 attention output and MLP fc2 row-parallel, so a block costs two all-reduces forward; the embedding is
