@@ -185,3 +185,13 @@ def test_block_trains_alike(dist_run, tmp_path_factory, block, layout):
     for rank_losses in runs:
         torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(expected), rtol=1e-5, atol=0)
     assert len(expected) == 3 and expected[-1] < expected[0], f"the reference run must learn: {expected}"
+
+
+@pytest.mark.parametrize("block", sorted(BLOCKS))
+def test_block_trains_in_bf16(dist_run, block):
+    """bf16 (DeepSpeed's bf16 optimizer, zoo's fp32 norm statistics) in one process: finite, within 2% of fp32 (as
+    tests/training/test_gpt_layouts.py's bf16 runs)."""
+    fp32 = gpt_layouts.layout_run(dist_run, "llama", "single", BLOCKS[block])[0][0]
+    bf16 = gpt_layouts.layout_run(dist_run, "llama", "single", [*BLOCKS[block], "training.precision=bf16"])[0][0]
+    assert all(torch.isfinite(torch.tensor(bf16))) and bf16 != fp32  # bf16 did run
+    torch.testing.assert_close(torch.tensor(bf16), torch.tensor(fp32), rtol=2e-2, atol=0)
