@@ -77,8 +77,8 @@ VARIANTS = {
                                                                         head_dim=16)),
     "GraniteForCausalLM:mlp-bias": lambda: _randomized(gpt_cases.hf_granite(attention_bias=False, mlp_bias=True,
                                                                             attention_multiplier=1.0)),
-    "GPTNeoXForCausalLM:sequential-no-attention-bias": lambda: _randomized(gpt_cases.hf_neox(
-        use_parallel_residual=False, attention_bias=False)),
+    "GPTNeoXForCausalLM:sequential-no-attention-bias-tied": lambda: _randomized(gpt_cases.hf_neox(
+        use_parallel_residual=False, attention_bias=False, tie_word_embeddings=True)),
 }
 
 
