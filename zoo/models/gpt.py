@@ -302,10 +302,9 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
         norm = h * (2 if self.normalization == "layernorm" else 1)
         block_norms = 4 if self.norm_placement == "sandwich" else 2
         attn = h * (nq + 2 * nkv) * d + nq * d * h + self.use_qkv_bias * (nq + 2 * nkv) * d + bias * h
-        bias = self.use_mlp_bias
         attn += {None: 0, "head": 2 * d, "full": (nq + nkv) * d}[self.qk_norm]
         per_h = 3 if self.gated_mlp else 2  # weights per (hidden, intermediate) pair
-        mlp = per_h * h * f + bias * ((2 * f if self.gated_mlp else f) + h)
+        mlp = per_h * h * f + self.use_mlp_bias * ((2 * f if self.gated_mlp else f) + h)
         routed = self.num_experts_per_tok if active else self.num_experts
         moe = (self.num_experts * h + routed * per_h * h * self.expert_intermediate_size
                + per_h * h * self.shared_intermediate_size + self.shared_expert_gate * h)
