@@ -75,8 +75,8 @@ VARIANTS = {
                                                                               head_dim=16)),
     "Olmo2ForCausalLM:bias-tied": lambda: _randomized(gpt_cases.hf_olmo2(attention_bias=True, tie_word_embeddings=True,
                                                                         head_dim=16)),
-    "GraniteForCausalLM:mlp-bias": lambda: _randomized(gpt_cases.hf_granite(attention_bias=False, mlp_bias=True,
-                                                                            attention_multiplier=1.0)),
+    "GraniteForCausalLM:mlp-bias-tied": lambda: _randomized(gpt_cases.hf_granite(
+        attention_bias=False, mlp_bias=True, attention_multiplier=1.0, tie_word_embeddings=True)),
     "GPTNeoXForCausalLM:sequential-no-attention-bias-tied": lambda: _randomized(gpt_cases.hf_neox(
         use_parallel_residual=False, attention_bias=False, tie_word_embeddings=True)),
 }
