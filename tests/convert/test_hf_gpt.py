@@ -1,10 +1,11 @@
-"""HuggingFace <-> zoo for GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma 2, SmolLM3, Phi-3 and Gemma 3: logits equal
-at every layout, round trips bit-exact.
+"""HuggingFace <-> zoo for GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma 2 / 3 / 4, SmolLM3, Phi-3, OLMo 2 / 3, Granite
+and GPT-NeoX: logits equal at every layout, round trips bit-exact.
 
 Small random HF models (with a tiny byte-level BPE tokenizer) are saved in a temporary folder, imported with
 ``hf_to_zoo`` and checked with ``verify`` in one 4-rank gloo pool at (tp, pp) in {(1,1), (2,1), (1,2), (2,2)}
-(Qwen2 at (1,1) and (2,2); a windowed Mistral and a windowed Qwen3 at (2,1) and (1,2), and so the RoPE variants:
-SmolLM3's NoPE layers, Phi-3's LongRoPE with partial rotary, Gemma 3's theta per layer type);
+(Qwen2 at (1,1) and (2,2); a windowed Mistral, a windowed Qwen3, OLMo 2 / 3, Granite, NeoX, Gemma 4 and the RoPE
+variants, SmolLM3's NoPE layers, Phi-3's LongRoPE with partial rotary, Gemma 3's theta per layer type, at (2,1) and
+(1,2));
 one torchrun run of ``launch/convert.py verify`` at tp=3 (a 9-query, 3-key-value-head model) checks the command
 end to end.
 """

@@ -96,6 +96,10 @@ VARIANTS = {
     "MixtralForCausalLM:no-window": lambda: _randomized(moe_cases.hf_model("mixtral", window=None)),
     "Qwen2MoeForCausalLM:no-window": lambda: _randomized(moe_cases.hf_model("qwen2-moe", window=None)),
     "Qwen3MoeForCausalLM:no-window": lambda: _randomized(moe_cases.hf_model("qwen3-moe", window=None)),
+    "GraniteForCausalLM:mlp-bias-tied": lambda: _randomized(gpt_cases.hf_granite(
+        attention_bias=False, mlp_bias=True, attention_multiplier=1.0, tie_word_embeddings=True)),
+    "GPTNeoXForCausalLM:sequential-no-attention-bias-tied": lambda: _randomized(gpt_cases.hf_neox(
+        use_parallel_residual=False, attention_bias=False, tie_word_embeddings=True)),
 }
 
 

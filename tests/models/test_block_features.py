@@ -7,8 +7,9 @@ gives the same logits and the same greedy generation (zoo's KV cache) as transfo
 loss divides by ``logits_scaling`` as the plain head does (loss and gradients). Refusals are one line, naming the
 field. Training: a tiny OLMo-2-like model (post-norm + q/k norm over the projection) and a tiny NeoX-like one
 (parallel residual, LayerNorm, exact GELU, biases; with Granite's multipliers and the fused LM head + loss on top)
-train the same in every layout as in one process (fp32, 1e-5 relative, 3 steps): tp2 + SP, pp2, dp2 under ZeRO-2
-(tests/training/test_gpt_layouts.py's runs) and cp2 with Ulysses and ring attention (test_cp_layouts.py's runs).
+train the same in every layout as in one process (fp32, 1e-5 relative, 3 steps): tp2 + SP, pp2 (with and without
+recompute), dp2 under ZeRO-2 (tests/training/test_gpt_layouts.py's runs) and cp2 with Ulysses and ring attention
+(test_cp_layouts.py's runs).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def pair(name, tmp_path, seed: int = 0):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_logits_and_greedy_generation_equal_transformers(name, tmp_path):
     hf, model, cfg = pair(name, tmp_path)
+    assert cfg.num_parameters() == sum(p.numel() for p in hf.parameters())  # norms and biases counted as HF has them
     ids = torch.randint(0, cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))  # 20 > window 5
     with torch.no_grad():
         theirs, ours = hf(ids).logits, model(ids)[..., : cfg.vocab_size]
@@ -164,7 +166,7 @@ NEOX = ["model.use_parallel_residual=true", "model.partial_rotary_factor=0.5", "
         "model.add_bias=true", "model.residual_multiplier=0.5", "model.attention_multiplier=0.2",
         "model.logits_scaling=2.0", "model.embedding_multiplier=2.0", "training.fused_cross_entropy=true"]
 BLOCKS = {"olmo2": OLMO2, "neox": NEOX}
-LAYOUTS = ["tp2-sp", "pp2", "dp2-zero2", "cp2-ulysses", "cp2-ring"]
+LAYOUTS = ["tp2-sp", "pp2", "pp2-recompute", "dp2-zero2", "cp2-ulysses", "cp2-ring"]
 _reference = {}
 
 
@@ -188,3 +190,13 @@ def test_block_trains_alike(dist_run, tmp_path_factory, block, layout):
     for rank_losses in runs:
         torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(expected), rtol=1e-5, atol=0)
     assert len(expected) == 3 and expected[-1] < expected[0], f"the reference run must learn: {expected}"
+
+
+@pytest.mark.parametrize("block", sorted(BLOCKS))
+def test_block_trains_in_bf16(dist_run, block):
+    """bf16 (DeepSpeed's bf16 optimizer, zoo's fp32 norm statistics) in one process: finite, within 2% of fp32 (as
+    tests/training/test_gpt_layouts.py's bf16 runs)."""
+    fp32 = gpt_layouts.layout_run(dist_run, "llama", "single", BLOCKS[block])[0][0]
+    bf16 = gpt_layouts.layout_run(dist_run, "llama", "single", [*BLOCKS[block], "training.precision=bf16"])[0][0]
+    assert all(torch.isfinite(torch.tensor(bf16))) and bf16 != fp32  # bf16 did run
+    torch.testing.assert_close(torch.tensor(bf16), torch.tensor(fp32), rtol=2e-2, atol=0)

@@ -148,8 +148,8 @@ def test_sigterm_to_one_rank_saves_that_step_and_exits_0(dist_run, tmp_path):
 
 def test_tp2_checkpoint_resumes_at_tp1_pp2(dist_run, tmp_path):
     """Saved at tp=2 (ZeRO-1), resumed at tp=1 x pp=2 through DeepSpeed's universal checkpoint; the MoE models
-    (experts and router whole on every TP rank; dense and MoE blocks mixed, with a gated shared expert), OLMo 2's
-    and NeoX's blocks too."""
+    (experts and router whole on every TP rank; dense and MoE blocks mixed, with a gated shared expert), OLMo 2's,
+    NeoX's and Gemma 2's (sandwich norms) blocks too."""
     for model, extra in [("gpt2", []), ("llama", ["model.preset=tiny-llama"]),
                          ("moe-shared", ["model.preset=tiny-moe-shared"]),
                          # OLMo 2's block (output norms only, q/k norm over the projection); NeoX's with MLP biases
@@ -157,7 +157,8 @@ def test_tp2_checkpoint_resumes_at_tp1_pp2(dist_run, tmp_path):
                          ("olmo2", ["model.preset=tiny-llama", "model.norm_placement=post", "model.qk_norm=full"]),
                          ("neox", ["model.preset=tiny-llama", "model.use_parallel_residual=true",
                                    "model.normalization=layernorm", "model.activation=gelu_exact",
-                                   "model.mlp_bias=true"])]:
+                                   "model.mlp_bias=true"]),
+                         ("sandwich", ["model.preset=tiny-llama", "model.norm_placement=sandwich"])]:
         out = str(tmp_path / model)
         base = extra + ["parallel.zero_stage=1", "training.steps=4"]
         uninterrupted = dist_run(2, run_case, base + ["parallel.tp=2", "training.save_interval=3"], out)[0]

@@ -206,7 +206,8 @@ def zoo_to_hf(src, out, *, dtype: torch.dtype | None = None, max_shard_bytes: in
 STRUCTURE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
              "intermediate_size", "position_embedding_type", "normalization", "activation", "add_bias",
              "tie_word_embeddings", "head_dim", "qk_norm", "num_experts", "num_experts_per_tok",
-             "expert_intermediate_size", "shared_intermediate_size", "shared_expert_gate")
+             "expert_intermediate_size", "shared_intermediate_size", "shared_expert_gate", "use_mlp_bias",
+             "norm_placement", "use_parallel_residual")
 
 
 def _either(values: list[int]) -> str:

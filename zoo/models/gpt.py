@@ -4,9 +4,11 @@ GPT-2 (Radford et al. 2019): learned positions, LayerNorm, GELU (tanh), biases, 
 Llama (Touvron et al. 2023): rotary positions (RoPE, Su et al. 2021; linear, Llama-3, YaRN or LongRoPE frequency
 scaling, partial rotary, NoPE layers, a theta for the sliding layers: :mod:`zoo.models.rope`), RMSNorm, SwiGLU
 (Shazeer 2020), no biases, grouped-query attention (Ainslie et al. 2023), tied or untied head.
-Options on top: q/k biases (Qwen2), q/k RMSNorm per head (Qwen3) or over the projection (OLMoE), a head dim other
-than h / heads, and mixture-of-experts MLPs in some or all blocks (Mixtral, Qwen-MoE, OLMoE, DeepSeek routing;
-:mod:`zoo.models.moe`).
+Options on top: q/k biases (Qwen2), q/k RMSNorm per head (Qwen3) or over the projection (OLMoE, OLMo 2), a head dim
+other than h / heads, and mixture-of-experts MLPs in some or all blocks (Mixtral, Qwen-MoE, OLMoE, DeepSeek routing;
+:mod:`zoo.models.moe`). Block variants: sandwich norms (Gemma 2) or post-norm (OLMo 2), the parallel residual and exact
+GELU with MLP biases apart from the attention's (GPT-NeoX), Granite's residual / attention / logit multipliers, Gemma
+4's full-attention layers with their own head shapes and k = v, its v norm and layer scalars.
 
 Parallel plan (Megatron-LM, arXiv 1909.08053): fused QKV and MLP fc1 (or gate/up) are column-parallel, the
 attention output and MLP fc2 row-parallel, so a block costs two all-reduces forward; the embedding is
@@ -128,11 +130,9 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
     # "pre": x + f(norm(x)) | "sandwich": x + norm(f(norm(x))) (Gemma 2/3) | "post": x + norm(f(x)) (OLMo 2)
     norm_placement: str = "pre"
     use_parallel_residual: bool = False  # NeoX: x + attn(norm1(x)) + mlp(norm2(x)), both sublayers read x
-    # Granite (HF names): x + m f(...) for both sublayers; the scores' scale itself (instead of 1/sqrt(d)); logits
-    # divided by logits_scaling (the fused LM head + loss divides its input instead: the same product).
-    residual_multiplier: float | None = None
-    attention_multiplier: float | None = None
-    logits_scaling: float | None = None
+    residual_multiplier: float | None = None  # Granite: x + m f(...) for both sublayers
+    attention_multiplier: float | None = None  # Granite: the scores' scale itself, instead of 1/sqrt(d)
+    logits_scaling: float | None = None  # Granite: logits / s (the fused LM head + loss divides its input instead)
     embedding_multiplier: float | None = None  # token embeddings times this, cast to their dtype (Gemma: sqrt(h))
     final_logit_softcapping: float | None = None  # Gemma 2: logits = c tanh(logits / c)
     # Gemma 4: its full-attention layers have heads of their own width and count, and may take the values from the
@@ -350,7 +350,7 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
         """Parameters of the unpadded model (as a HF checkpoint counts them). ``active``: those one token uses,
         i.e. only ``num_experts_per_tok`` of the routed experts of each MoE layer (router and shared ones in full)."""
         h, f, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
-        nq, bias = self.num_attention_heads, self.add_bias
+        nq = self.num_attention_heads
         norm = h * (2 if self.normalization == "layernorm" else 1)
         block_norms = 4 if self.norm_placement == "sandwich" else 2
 
@@ -359,9 +359,8 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
             out = h * (nq + kv * nkv) * d + nq * d * h + self.use_qkv_bias * (nq + kv * nkv) * d + self.add_bias * h
             return out + {None: 0, "head": 2 * d, "full": (nq + nkv) * d}[self.qk_norm]
 
-        bias = self.use_mlp_bias
         per_h = 3 if self.gated_mlp else 2  # weights per (hidden, intermediate) pair
-        mlp = per_h * h * f + bias * ((2 * f if self.gated_mlp else f) + h)
+        mlp = per_h * h * f + self.use_mlp_bias * ((2 * f if self.gated_mlp else f) + h)
         routed = self.num_experts_per_tok if active else self.num_experts
         moe = (self.num_experts * h + routed * per_h * h * self.expert_intermediate_size
                + per_h * h * self.shared_intermediate_size + self.shared_expert_gate * h)

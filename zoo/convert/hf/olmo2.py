@@ -17,7 +17,7 @@ import copy
 import torch
 
 from zoo.convert.hf import granite, llama
-from zoo.convert.hf.common import plain_block, refusal
+from zoo.convert.hf.common import refusal
 from zoo.convert.hf.moe import qk_norm_rows
 from zoo.convert.registry import Architecture
 from zoo.convert.tables import Row, blocks, same
@@ -81,7 +81,7 @@ def is_olmo2(cfg: GPTConfig, local_theta: bool = False) -> bool:
                                       "qkv_bias": False, "mlp_bias": False,
                                       **({"rope_local_base_freq": None} if local_theta else {})})
     return (cfg.norm_placement == "post" and cfg.qk_norm == "full" and cfg.use_qkv_bias == cfg.add_bias
-            and not cfg.use_mlp_bias and llama.is_llama(llama_like) and plain_block(llama_like))
+            and not cfg.use_mlp_bias and llama.is_llama(llama_like))
 
 
 def exports(cfg: GPTConfig) -> bool:
