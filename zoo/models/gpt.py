@@ -55,6 +55,7 @@ from zoo.parallel.context_parallel import (
 from zoo.parallel.cross_entropy import linear_cross_entropy_sum, vocab_parallel_cross_entropy
 from zoo.parallel.layers import (
     ColumnParallelLinear,
+    GroupedQKVLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     divide,
@@ -76,7 +77,7 @@ FAMILY = "gpt"  # the family name of a zoo model folder (zoo.models.registry)
 
 @dataclass
 class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dict
-    tp_split_heads = ("num_attention_heads", "num_key_value_heads")  # what tensor parallelism splits
+    tp_split_heads = ("num_attention_heads",)  # what tensor parallelism splits (kv heads: check_layout)
 
     vocab_size: int = 50257
     hidden_size: int = 768
@@ -259,7 +260,16 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
         return any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
     def check_layout(self, tp: int, pp: int = 1, ep: int = 1) -> None:
-        """One line per problem, before anything is built: which number does not divide which."""
+        """One line per problem, before anything is built: which number does not divide which. tp may exceed
+        num_key_value_heads when it is a multiple of them (each kv head replicated over tp / nkv ranks)."""
+        nkv = self.num_key_value_heads
+        if nkv % tp and tp % nkv:
+            raise ValueError(f"num_key_value_heads {nkv} and tp {tp}: one must divide the other (tp > kv heads "
+                             f"replicates each kv head over tp / kv heads ranks); use a tp that divides {nkv} or a "
+                             f"multiple of it")
+        if tp > nkv and self.qk_norm == "full":
+            raise ValueError(f"qk_norm 'full' is not supported with tp {tp} > num_key_value_heads {nkv} (replicated "
+                             f"kv heads); use a tp that divides {nkv}")
         if ep > 1 and self.num_experts == 0:
             raise ValueError(f"ep {ep} needs a mixture-of-experts model (num_experts > 0)")
         if ep > 1 and self.num_experts % ep:
@@ -568,7 +578,9 @@ class GPTAttention(nn.Module):
     """Causal self-attention; heads split over TP; with CP, over the whole sequence by Ulysses or ring attention.
 
     The fused QKV weight is laid out per key-value group: ``[q (nq/nkv heads), k, v]`` for each of the nkv groups,
-    so a contiguous TP split hands each rank whole groups (tp must divide nkv), as in Megatron. Ulysses then splits
+    so a contiguous TP split hands each rank whole groups where tp divides nkv, as in Megatron. Where tp is a
+    multiple of nkv, the tp / nkv ranks of a group split its query heads and each holds the group's k/v rows, their
+    gradients summed over those ranks (:class:`zoo.parallel.layers.GroupedQKVLinear`). Ulysses then splits
     a TP rank's nq/tp query heads over CP (cp must divide them); ring attention has no head limit and no dropout.
 
     Training calls ``forward(x)``. Generation passes a :class:`KVCache`, or attaches one as ``self.kv_cache``
@@ -586,15 +598,20 @@ class GPTAttention(nn.Module):
         self.window = config.attention_window(layer_idx)
         self.variant = dict(window=self.window, softcap=config.attn_logit_softcapping, scale=config.attention_scale)
         d, nq, nkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
-        self.qkv = ColumnParallelLinear(config.hidden_size, (nq + 2 * nkv) * d, bias=config.use_qkv_bias,
+        tp = group_rank_and_size(par.tp_group)[1]
+        if tp > nkv:  # each kv head replicated over the tp / nkv ranks that split its query heads
+            self.qkv = GroupedQKVLinear(config.hidden_size, nq, nkv, d, bias=config.use_qkv_bias,
                                         init_method=init_method_normal(config.initializer_range),
                                         sequence_parallel=par.sequence_parallel, tp_group=par.tp_group)
+        else:
+            self.qkv = ColumnParallelLinear(config.hidden_size, (nq + 2 * nkv) * d, bias=config.use_qkv_bias,
+                                            init_method=init_method_normal(config.initializer_range),
+                                            sequence_parallel=par.sequence_parallel, tp_group=par.tp_group)
         self.dense = RowParallelLinear(nq * d, config.hidden_size, bias=config.add_bias, input_is_parallel=True,
                                        init_method=output_init, sequence_parallel=par.sequence_parallel,
                                        tp_group=par.tp_group)
-        tp = self.qkv.tp_world_size
-        self.num_groups_local = divide(nkv, tp, "num_key_value_heads")
-        self.q_per_group = nq // nkv
+        self.num_groups_local = divide(nkv, tp, "num_key_value_heads") if tp <= nkv else 1
+        self.q_per_group = nq // nkv if tp <= nkv else nq // tp  # query heads per local group
         self.head_dim = d
         self.sequence_parallel = par.sequence_parallel
         self.par, self.cp = par, group_rank_and_size(par.cp_group)[1]
