@@ -1,0 +1,80 @@
+"""Fewer kv heads than TP ranks (each kv head replicated over the ranks that split its query heads,
+zoo.parallel.layers.GroupedQKVLinear) trains the one-process model (fp32, 1e-5 relative, 3 steps, clipping at 1.0,
+the gradient norm too): the tiny Llama with one kv head at tp2+SP, tp2 x dp2 under ZeRO-2 with recompute, tp2 x pp2,
+tp2 x dp2 under ZeRO-3 with the fused LM head + loss, and cp2 x tp2 with Ulysses (each TP rank's query heads split over
+CP too); with its own two kv heads at tp4. The runs of tests/training/test_gpt_layouts.py and test_cp_layouts.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.training import test_cp_layouts as cp_layouts
+from tests.training import test_gpt_layouts as gpt_layouts
+
+ONE_KV = ["model.num_key_value_heads=1"]
+LAYOUTS = {  # name: (world size, overrides, extra model overrides)
+    "tp2-sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"], ONE_KV),
+    "tp2-dp2-zero2-recompute": (4, ["parallel.tp=2", "parallel.zero_stage=2", "parallel.activation_checkpointing=true"],
+                                ONE_KV),
+    "tp2-pp2": (4, ["parallel.tp=2", "parallel.pp=2"], ONE_KV),
+    "tp2-dp2-zero3-fused": (4, ["parallel.tp=2", "parallel.zero_stage=3", "training.fused_cross_entropy=true"],
+                            ONE_KV),
+    "tp4": (4, ["parallel.tp=4"], []),  # tiny-llama's own 2 kv heads
+}
+
+
+def _norms(records):
+    return [r["grad_norm"] for r in records if "grad_norm" in r]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_replicated_kv_heads_train_like_one_process(dist_run, layout):
+    world, overrides, model = LAYOUTS[layout]
+    gpt_layouts.LAYOUTS.setdefault(f"kvrep-{layout}", (world, overrides))
+    expected, ref_records = gpt_layouts.layout_run(dist_run, "llama", "single", model)
+    losses, records = gpt_layouts.layout_run(dist_run, "llama", f"kvrep-{layout}", model)  # ZeRO-3: a retired pool
+    for rank_losses in losses:
+        torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(expected[0]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(_norms(records)), torch.tensor(_norms(ref_records)), rtol=1e-5, atol=0)
+    assert expected[0][-1] < expected[0][0], f"the reference run must learn: {expected[0]}"
+    assert max(_norms(ref_records)) > 1.0, "clipping must act for the norm to matter"
+
+
+
+def test_replicated_kv_heads_under_ulysses_and_tp(dist_run, tmp_path_factory):
+    ref = str(tmp_path_factory.mktemp("ref"))
+    expected = dist_run(1, cp_layouts.train_case, "llama", ONE_KV, ref)[0]
+    out = str(tmp_path_factory.mktemp("cp2-tp2"))
+    for rank_losses in dist_run(4, cp_layouts.train_case, "llama", ["parallel.cp=2", "parallel.tp=2"] + ONE_KV, out):
+        torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(expected), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(cp_layouts.grad_norms(out)), torch.tensor(cp_layouts.grad_norms(ref)),
+                               rtol=1e-5, atol=0)
+    assert expected[-1] < expected[0], f"the reference run must learn: {expected}"
+
+
+def test_resharding_a_checkpoint_of_replicated_kv_heads_is_refused_in_one_line(tmp_path, monkeypatch):
+    """DeepSpeed's universal checkpoint cannot reshard a kv weight replicated over TP: refused, before any process
+    group, saved at tp2 with one kv head and resumed at tp1 (the way back is the exported folder); the same layout
+    resumes as any other."""
+    from types import SimpleNamespace
+
+    from zoo.training import checkpoint as ckpt
+    from zoo.training.config import ConfigError, load, validate
+    from zoo.training.train import resume_plan
+
+    overrides = gpt_layouts.COMMON + ONE_KV + ["parallel.zero_stage=1", f"out={tmp_path}"]
+    cfg = load(gpt_layouts.CONFIGS["llama"], overrides)
+    model_cfg = validate(cfg, 1)
+    meta = {"model": model_cfg.to_dict(), "global_batch_size": cfg.global_batch_size,
+            "seq_length": cfg.training.seq_length, "step": 3,
+            "layout": {"tp": 2, "pp": 1, "dp": 1, "cp": 1, "zero_stage": 1}}
+    found = ckpt.Found(tmp_path, "step_00000003", meta)
+    monkeypatch.setattr(ckpt, "find_checkpoint", lambda *a, **k: found)
+    args = SimpleNamespace(load=str(tmp_path), load_step=None)
+    with pytest.raises(ConfigError, match=r"cannot reshard the replicated kv heads of tp > num_key_value_heads 1; "
+                                          r"resume in the saved layout"):
+        resume_plan(cfg, model_cfg, args)
+    same = load(gpt_layouts.CONFIGS["llama"], overrides + ["parallel.tp=2"])
+    assert resume_plan(same, validate(same, 2), args) == (found, False)
