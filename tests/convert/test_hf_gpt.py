@@ -134,6 +134,9 @@ LAYOUT_CASES = ["gpt2", "llama-untied", "llama-tied"]
 QWEN2_LAYOUTS = [(1, 1), (2, 2)]  # Qwen2 differs from Llama by its biases only: two layouts suffice
 GEMMA2_LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # sandwich norms under SP-free TP, the tied soft-capped head over PP
 WINDOW_CASES, WINDOW_LAYOUTS = ["mistral-window", "qwen3"], [(2, 1), (1, 2)]  # tp 1, pp 1: tests/convert/test_registry
+# tp above the kv heads (each kv head replicated over tp / nkv ranks): Qwen2 with one kv head (q/k/v biases) at tp 2
+# and 4, the Llama's two kv heads at tp 4.
+KV_REPLICATED = {(2, 1): ["qwen2-tied"], (4, 1): ["qwen2-tied", "llama-untied"]}
 
 
 def save_hf(model, folder: Path, seed: int = 0, **kwargs) -> Path:
@@ -211,10 +214,10 @@ def verify_cases(pairs, tp, pp):
 
 def test_verify_every_layout(hf_dirs, zoo_dirs, dist_run):
     """One pool of 4 ranks serves every layout (dp = 4 / (tp x pp) replicas; rank 0's replica is compared)."""
-    for tp, pp in LAYOUTS:
-        names = (LAYOUT_CASES + (["qwen2"] if (tp, pp) in QWEN2_LAYOUTS else [])
+    for tp, pp in LAYOUTS + [(4, 1)]:
+        names = ((LAYOUT_CASES if (tp, pp) in LAYOUTS else []) + (["qwen2"] if (tp, pp) in QWEN2_LAYOUTS else [])
                  + (WINDOW_CASES if (tp, pp) in WINDOW_LAYOUTS else [])
-                 + (["gemma2"] if (tp, pp) in GEMMA2_LAYOUTS else []))
+                 + (["gemma2"] if (tp, pp) in GEMMA2_LAYOUTS else []) + KV_REPLICATED.get((tp, pp), []))
         pairs = [(str(hf_dirs[n]), str(zoo_dirs[n])) for n in names]
         per_rank = dist_run(4, verify_cases, pairs, tp, pp)
         assert all(r == per_rank[0] for r in per_rank)  # every rank returns rank 0's number
@@ -492,11 +495,11 @@ def test_bad_input(hf_dirs, zoo_dirs, tmp_path, capsys):
                  hf_dirs["gpt2"], "--zoo", "/no/such/zoo")  # as the deepspeed launcher calls it
     assert_error(capsys, "is not a zoo model config.*hf-to-zoo", "zoo-to-hf", "--src", hf_dirs["gpt2"], "--out", out)
     # A layout the heads do not allow: named before any process group is made.
-    assert_error(capsys, r"tp 4 does not divide num_attention_heads 9; tp must divide num_attention_heads 9, "
-                 r"num_key_value_heads 3 and intermediate_size 96: use 1 or 3", "verify", "--hf",
-                 hf_dirs["llama-9q3kv"], "--zoo", zoo_dirs["llama-9q3kv"], "--tp", "4")
-    assert_error(capsys, "tp 4 does not divide num_key_value_heads 2; .*: use 1 or 2", "verify", "--hf",
-                 hf_dirs["llama-untied"], "--zoo", zoo_dirs["llama-untied"], "--tp", "4")
+    assert_error(capsys, r"tp 4 does not divide num_attention_heads 9; tp must divide num_attention_heads 9 and "
+                 r"intermediate_size 96, and divide or be a multiple of num_key_value_heads 3: use 1 or 3", "verify",
+                 "--hf", hf_dirs["llama-9q3kv"], "--zoo", zoo_dirs["llama-9q3kv"], "--tp", "4")
+    assert_error(capsys, "tp 8 does not divide num_attention_heads 4; .*: use 1, 2 or 4", "verify", "--hf",
+                 hf_dirs["llama-untied"], "--zoo", zoo_dirs["llama-untied"], "--tp", "8")
     assert_error(capsys, "pp 3 exceeds num_hidden_layers 2", "verify", "--hf", hf_dirs["gpt2"], "--zoo",
                  zoo_dirs["gpt2"], "--pp", "3")
     assert_error(capsys, "--max-memory runs the zoo model one layer at a time in one pipeline stage, not at pp 2: "

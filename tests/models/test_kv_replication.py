@@ -111,3 +111,19 @@ def test_layouts_that_cannot_replicate_are_refused_in_one_line():
     full = GPTConfig(**{**CONFIG, "qk_norm": "full"}, num_key_value_heads=2)
     with pytest.raises(ValueError, match=r"^qk_norm 'full' is not supported with tp 4 > num_key_value_heads 2"):
         full.check_layout(4)
+
+
+def test_verify_names_the_kv_rule_and_the_layouts_that_work():
+    from zoo.convert.gpt import layout_problem
+
+    cfg = GPTConfig(**{**CONFIG, "num_attention_heads": 12, "head_dim": 16}, num_key_value_heads=4)
+    assert layout_problem(cfg, 8, 1).startswith("tp 8 does not divide num_attention_heads 12; ")
+    assert layout_problem(cfg, 12, 1) is None  # replicated: 3 ranks per kv head
+    assert layout_problem(cfg, 6, 1) == ("tp 6 does not divide num_key_value_heads 4 (nor is a multiple of it); tp "
+                                         "must divide num_attention_heads 12 and intermediate_size 96, and divide or "
+                                         "be a multiple of num_key_value_heads 4: use 1, 2, 4 or 12")
+    full = GPTConfig(**{**CONFIG, "qk_norm": "full"}, num_key_value_heads=2)
+    assert layout_problem(full, 4, 1) == ("tp 4 does not divide num_key_value_heads 2 (qk_norm 'full' needs tp <= kv "
+                                          "heads); tp must divide num_attention_heads 4 and intermediate_size 96, and "
+                                          "divide or be a multiple of num_key_value_heads 2 (at most it: qk_norm "
+                                          "'full'): use 1 or 2")

@@ -262,6 +262,11 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
     def check_layout(self, tp: int, pp: int = 1, ep: int = 1) -> None:
         """One line per problem, before anything is built: which number does not divide which. tp may exceed
         num_key_value_heads when it is a multiple of them (each kv head replicated over tp / nkv ranks)."""
+        if ep > 1 and self.num_experts == 0:
+            raise ValueError(f"ep {ep} needs a mixture-of-experts model (num_experts > 0)")
+        if ep > 1 and self.num_experts % ep:
+            raise ValueError(f"num_experts {self.num_experts} is not divisible by ep {ep}; use an ep that divides it")
+        super().check_layout(tp, pp)
         nkv = self.num_key_value_heads
         if nkv % tp and tp % nkv:
             raise ValueError(f"num_key_value_heads {nkv} and tp {tp}: one must divide the other (tp > kv heads "
@@ -270,11 +275,6 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
         if tp > nkv and self.qk_norm == "full":
             raise ValueError(f"qk_norm 'full' is not supported with tp {tp} > num_key_value_heads {nkv} (replicated "
                              f"kv heads); use a tp that divides {nkv}")
-        if ep > 1 and self.num_experts == 0:
-            raise ValueError(f"ep {ep} needs a mixture-of-experts model (num_experts > 0)")
-        if ep > 1 and self.num_experts % ep:
-            raise ValueError(f"num_experts {self.num_experts} is not divisible by ep {ep}; use an ep that divides it")
-        super().check_layout(tp, pp)
 
     def num_parameters(self, include_embeddings: bool = True, active: bool = False) -> int:
         """Parameters of the unpadded model (as a HF checkpoint counts them). ``active``: those one token uses,
