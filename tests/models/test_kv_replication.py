@@ -127,3 +127,21 @@ def test_verify_names_the_kv_rule_and_the_layouts_that_work():
                                           "heads); tp must divide num_attention_heads 4 and intermediate_size 96, and "
                                           "divide or be a multiple of num_key_value_heads 2 (at most it: qk_norm "
                                           "'full'): use 1 or 2")
+
+
+def test_generation_with_the_kv_cache_at_tp2_equals_tp1(tmp_path, dist_run):
+    """One kv head at tp 2: each rank caches its group's (replicated) kv head; greedy and sampled tokens as at tp 1."""
+    from tests.models.test_generate import generate_from_folder
+    from zoo.convert import io
+    from zoo.models.gpt import ParallelOptions, layer_specs
+    from zoo.models.specs import SpecSequential
+
+    cfg = GPTConfig(**CONFIG, num_key_value_heads=1)
+    model = SpecSequential(layer_specs(cfg, ParallelOptions()))
+    folder = str(tmp_path / "model")
+    io.write_model_folder(folder, "gpt", cfg.to_dict(),
+                          ((n, io.full_param(t, None)) for n, t in io.model_tensors(model).items()))
+    ids = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(6))
+    greedy1, sampled1 = generate_from_folder(folder, 1, ids, 12)
+    for greedy2, sampled2 in dist_run(2, generate_from_folder, folder, 2, ids, 12):
+        assert torch.equal(greedy2, greedy1) and torch.equal(sampled2, sampled1)
