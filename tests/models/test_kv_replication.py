@@ -78,6 +78,10 @@ def replicated_case(kv_heads, tp, sp, folder):
             mine = ref_grads[name]
         worst = max(worst, (p.grad - mine).abs().max().item())
     out["grad"] = worst
+    from zoo.plan.estimate import block_tensors  # the planner's tensors of a block on one rank: these
+
+    out["planned"] = sorted(block_tensors(cfg, 0, tp)[0]) == sorted(p.numel() for n, p in model.named_parameters()
+                                                                     if n.startswith("1."))
     out["norm"] = abs(clip_grad_norm_(model.parameters(), 1e9, grid) - ref_norm) / ref_norm
     io.save_model(folder / f"tp{tp}", model, grid, "gpt", cfg.to_dict())
     same = True
@@ -98,7 +102,7 @@ def replicated_case(kv_heads, tp, sp, folder):
 def test_replicated_kv_heads_compute_the_one_process_model(dist_run, tmp_path, kv_heads, tp, sp):
     for rank, out in enumerate(dist_run(4, replicated_case, kv_heads, tp, sp, str(tmp_path))):
         assert out["loss"] < 1e-6 and out["grad"] < 1e-6 and out["norm"] < 1e-6, (rank, out)
-        assert out["folder"] and not out["diff"], (rank, out["diff"])
+        assert out["folder"] and not out["diff"] and out["planned"], (rank, out["diff"], out["planned"])
 
 
 def test_layouts_that_cannot_replicate_are_refused_in_one_line():

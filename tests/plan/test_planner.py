@@ -352,3 +352,17 @@ def test_ep_spanning_tp_is_offered_and_priced():
     # ZeRO-1, bf16 with Adam: 12 bytes of fp32 master and moments per partitioned parameter; 2 EDP ranks vs 1
     assert inside.memory["optimizer"] - folded.memory["optimizer"] == 12 * experts - 12 * experts / 2
     assert "ep_spans_tp=true" in folded.layout.describe()
+
+
+def test_tp_above_the_kv_heads_is_offered():
+    """tiny-llama's 2 kv heads: tp 4 replicates each over 2 ranks (zoo.parallel.layers.GroupedQKVLinear), so it is
+    offered (the layouts test above runs its configs through zoo's validation); tp 8 does not divide the 4 query
+    heads. The replicated k/v rows cost a rank 2 d h per block beyond a quarter of the q rows."""
+    from zoo.plan.estimate import block_tensors
+    from zoo.plan.search import candidates
+
+    c = GPTConfig.from_preset("tiny-llama")
+    offered = {lay.tp for lay in candidates(Job(c, 8, 128, 16, dtype="bf16"), get_gpu("h100"))}
+    assert offered == {1, 2, 4}
+    d, h = c.head_dim, c.hidden_size
+    assert block_tensors(c, 0, 4)[0][:2] == [c.num_attention_heads * d * h // 4, 2 * d * h]
