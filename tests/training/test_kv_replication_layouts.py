@@ -1,8 +1,9 @@
 """Fewer kv heads than TP ranks (each kv head replicated over the ranks that split its query heads,
 zoo.parallel.layers.GroupedQKVLinear) trains the one-process model (fp32, 1e-5 relative, 3 steps, clipping at 1.0,
 the gradient norm too): the tiny Llama with one kv head at tp2+SP, tp2 x dp2 under ZeRO-2 with recompute, tp2 x pp2,
-tp2 x dp2 under ZeRO-3 with the fused LM head + loss, and cp2 x tp2 with Ulysses (each TP rank's query heads split over
-CP too); with its own two kv heads at tp4. The runs of tests/training/test_gpt_layouts.py and test_cp_layouts.py.
+tp2 x dp2 under ZeRO-3 with the fused LM head + loss, cp2 x tp2 with Ulysses (each TP rank's query heads split over
+CP too) and with ring attention; with its own two kv heads at tp4; in bf16 loosely. The runs of
+tests/training/test_gpt_layouts.py and test_cp_layouts.py.
 """
 
 from __future__ import annotations
@@ -54,15 +55,33 @@ def test_replicated_kv_heads_train_in_bf16(dist_run, tmp_path):
         torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(expected), rtol=2e-2, atol=0)
 
 
-def test_replicated_kv_heads_under_ulysses_and_tp(dist_run, tmp_path_factory):
-    ref = str(tmp_path_factory.mktemp("ref"))
-    expected = dist_run(1, cp_layouts.train_case, "llama", ONE_KV, ref)[0]
-    out = str(tmp_path_factory.mktemp("cp2-tp2"))
-    for rank_losses in dist_run(4, cp_layouts.train_case, "llama", ["parallel.cp=2", "parallel.tp=2"] + ONE_KV, out):
+_cp_reference: dict = {}
+
+
+@pytest.mark.parametrize("algorithm", ["ulysses", "ring"])
+def test_replicated_kv_heads_under_context_and_tensor_parallelism(dist_run, tmp_path_factory, algorithm):
+    if "ref" not in _cp_reference:
+        _cp_reference["ref"] = str(tmp_path_factory.mktemp("ref"))
+        _cp_reference["losses"] = dist_run(1, cp_layouts.train_case, "llama", ONE_KV, _cp_reference["ref"])[0]
+    ref, expected = _cp_reference["ref"], _cp_reference["losses"]
+    out = str(tmp_path_factory.mktemp(f"cp2-tp2-{algorithm}"))
+    layout = ["parallel.cp=2", "parallel.tp=2", f"parallel.cp_algorithm={algorithm}"]
+    for rank_losses in dist_run(4, cp_layouts.train_case, "llama", layout + ONE_KV, out):
         torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(expected), rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(cp_layouts.grad_norms(out)), torch.tensor(cp_layouts.grad_norms(ref)),
                                rtol=1e-5, atol=0)
     assert expected[-1] < expected[0], f"the reference run must learn: {expected}"
+
+
+def test_ulysses_needs_the_query_heads_of_a_tp_rank_to_split_over_cp():
+    """tp4 leaves one query head per rank (its kv head replicated): Ulysses cannot split it over cp 2, said in one
+    line before any process group (ring can)."""
+    from zoo.training.config import ConfigError, load, validate
+
+    base = gpt_layouts.COMMON + ONE_KV + ["parallel.tp=4", "parallel.cp=2"]
+    with pytest.raises(ConfigError, match=r"^Ulysses splits the 1 query heads \(of one TP rank\) over cp=2 ranks"):
+        validate(load(gpt_layouts.CONFIGS["llama"], base), 8)
+    validate(load(gpt_layouts.CONFIGS["llama"], base + ["parallel.cp_algorithm=ring"]), 8)
 
 
 def test_resharding_a_checkpoint_of_replicated_kv_heads_is_refused_in_one_line(tmp_path, monkeypatch):
