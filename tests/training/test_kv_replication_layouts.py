@@ -108,3 +108,46 @@ def test_resharding_a_checkpoint_of_replicated_kv_heads_is_refused_in_one_line(t
         resume_plan(cfg, model_cfg, args)
     same = load(gpt_layouts.CONFIGS["llama"], overrides + ["parallel.tp=2"])
     assert resume_plan(same, validate(same, 2), args) == (found, False)
+
+
+def train_and_export(overrides, folder):
+    """Train (tests/training/test_checkpoint.py's runs, no checkpoints) and export the model to ``folder``."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from tests.training.test_checkpoint import COMMON, CONFIG
+    from zoo.parallel.topology import initialize_model_parallel
+    from zoo.training.config import load, validate
+    from zoo.training.trainer import Trainer
+
+    with tempfile.TemporaryDirectory() as out:
+        cfg = load(CONFIG, COMMON + list(overrides) + ["training.save=false", f"out={out}"])
+        grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp)
+        with Trainer(cfg, validate(cfg, dist.get_world_size()), grid, log=lambda s: None) as trainer:
+            trainer.fit()
+            trainer.export(folder)
+
+
+def test_checkpoints_and_exports_of_replicated_kv_heads(dist_run, tmp_path):
+    """zoo's own checkpoint at tp2 with one kv head (ZeRO-1, every rank's rows) resumes in the same layout to the
+    unbroken run's next loss; the model folder a tp2 x dp2 ZeRO-3 run exports (the replicated k/v rows once, gathered
+    over ZeRO-3) holds the model the single process trains, tensor by tensor."""
+    from tests.training.test_checkpoint import run_case
+    from zoo.convert import io
+
+    llama = ["model.preset=tiny-llama", *ONE_KV, "training.steps=4"]
+    out = str(tmp_path / "tp2")
+    base = llama + ["parallel.tp=2", "parallel.zero_stage=1"]
+    unbroken = dist_run(2, run_case, base + ["training.save_interval=3"], out)[0]
+    resumed = dist_run(2, run_case, base + ["training.save=false"], out, 3)[0]
+    assert len(resumed) == 1
+    torch.testing.assert_close(resumed[0], unbroken[3], rtol=1e-5, atol=0)
+
+    single, zero3 = str(tmp_path / "single"), str(tmp_path / "zero3")
+    dist_run(1, train_and_export, llama, single)
+    dist_run.retire(4, train_and_export, llama + ["parallel.tp=2", "parallel.zero_stage=3"], zero3)
+    ours, theirs = (dict(io.iter_tensors(f)) for f in (zero3, single))
+    assert sorted(ours) == sorted(theirs) and any(k.endswith("attention.qkv.weight") for k in ours)
+    for key in theirs:
+        torch.testing.assert_close(ours[key], theirs[key], rtol=0, atol=1e-5, msg=key)
