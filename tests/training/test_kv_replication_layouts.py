@@ -41,6 +41,10 @@ def test_replicated_kv_heads_train_like_one_process(dist_run, layout):
     torch.testing.assert_close(torch.tensor(_norms(records)), torch.tensor(_norms(ref_records)), rtol=1e-5, atol=0)
     assert expected[0][-1] < expected[0][0], f"the reference run must learn: {expected[0]}"
     assert max(_norms(ref_records)) > 1.0, "clipping must act for the norm to matter"
+    if layout == "tp4":  # the k/v weight gradients summed over each pair of ranks sharing a kv head, per micro-batch
+        nbytes, calls = records[-1]["comm_bytes"], records[-1]["comm_calls"]
+        m, layers, d, h = 4, 4, 16, 64  # micro-batches per step (dp 1), tiny-llama's blocks, head dim, hidden
+        assert nbytes["tpsub2/all_reduce"] == m * layers * 2 * d * h * 4 and calls["tpsub2/all_reduce"] == m * layers
 
 
 

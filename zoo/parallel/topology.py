@@ -287,6 +287,12 @@ class ParallelGrid:
             raise LayoutError(f"no TP subgroup of {size} ranks: {size} does not divide tp {self.tp}")
         return axis.group
 
+    def tp_subgroups(self) -> list[tuple[int, object, tuple]]:
+        """``(size, group, ranks)`` of this rank's every TP subgroup smaller than the TP group
+        (:meth:`tp_subgroup`)."""
+        return [(size, axis.group, axis.ranks) for size in range(2, self.tp)
+                if (axis := getattr(self, f"_tp_sub{size}", None)) is not None]
+
     @property
     def expert_group_name(self) -> str:
         """DeepSpeed's name for the EP/EDP groups of this ep (``param.group_name`` of expert parameters)."""
