@@ -291,8 +291,9 @@ def check_capped(result, pairs, shares, layers: int, vocab_modules: int = 2):
 def test_verify_with_a_memory_cap_streams_both_sides(hf_dirs, zoo_dirs, dist_run):
     """--max-memory at tp=2: the zoo side one layer at a time, transformers through accelerate's device_map with
     disk offload; the same max |logit diff| as the uncapped verify."""
-    # GPT-2: learned positions, its tied head read from the embedding's table; Llama: RoPE, an untied head.
-    pairs = [(str(hf_dirs[name]), str(zoo_dirs[name])) for name in ("gpt2", "llama-untied")]
+    # GPT-2: learned positions, its tied head read from the embedding's table; Llama: RoPE, an untied head; Qwen2
+    # with one kv head: each block's replicated k/v rows read by both ranks.
+    pairs = [(str(hf_dirs[name]), str(zoo_dirs[name])) for name in ("gpt2", "llama-untied", "qwen2-tied")]
     shares = [0, 0.75]
     result = dist_run(2, capped_and_whole, pairs, 2, shares)[0]
     # Filled per run: the embedding's other tensors (GPT-2's position table; its token table: only the batch's
