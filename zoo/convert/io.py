@@ -13,7 +13,10 @@ temporary name and moved into place at the end, so a crash never leaves a half-w
 
 Reading (:func:`load_model`): every rank opens the safetensors files lazily and reads only the rows or columns of
 each tensor its shard holds (``safe_open(...).get_slice``), so memory stays at this rank's share of the model.
-Vocabulary rows beyond ``vocab_size`` (padding to a multiple of 128 x tp) are zero. A tensor over 16 MB is copied
+Vocabulary rows beyond ``vocab_size`` (padding to a multiple of 128 x tp) are zero. A parameter may hold given rows of
+a stored tensor instead (``stored_name``, ``stored_rows``, ``stored_size``: the query rows and the replicated k/v rows
+of ``zoo.parallel.layers.GroupedQKVLinear``, where tp exceeds the kv heads): it reads those rows, and the stored
+tensor is written whole, from every TP rank's rows, replicated rows once. A tensor over 16 MB is copied
 into its parameter a few rows at a time, each read through its own open of the file: pages a read maps stay
 resident until the file closes, and would hold the tensor twice.
 """
@@ -34,7 +37,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from zoo.parallel.shards import barrier, full_tensor, gather_objects, global_rank, is_sharded, shard_ranges
+from zoo.parallel.shards import (
+    barrier,
+    full_tensor,
+    gather_objects,
+    gather_shards,
+    global_rank,
+    is_sharded,
+    shard_ranges,
+)
 from zoo.parallel.topology import group_rank_and_size
 
 FORMAT_VERSION = 1
@@ -397,27 +408,17 @@ def stored_key(name: str, param: torch.Tensor) -> str:
     return name if stored is None else f"{name.rsplit('.', 1)[0]}.{stored}" if "." in name else stored
 
 
-def _stored_rows(param: torch.Tensor, tp_rank: int) -> tuple:
-    return param.stored_rows[tp_rank]
-
-
 def full_stored(params: list[torch.Tensor], tp_group) -> torch.Tensor:
     """The full stored tensor whose rows ``params`` hold between them on the TP ranks (``stored_rows``): each
     parameter all-gathered over ``tp_group`` (collective) and its rows put in place; rows several ranks hold
     (replicated k/v rows) are equal there and written once."""
-    tp_rank, tp = group_rank_and_size(tp_group)
-    total = params[0].stored_size
     out = None
     for param in params:
         with _gathered(param):
-            local = param.data.detach().contiguous()
-            if tp > 1:
-                parts = [torch.empty_like(local) for _ in range(tp)]
-                torch.distributed.all_gather(parts, local, group=tp_group)
-            else:
-                parts = [local.clone()]
+            parts = gather_shards(param.data, tp_group)  # [one per TP rank]
         if out is None:
-            out = local.new_zeros((total, *local.shape[1:]))
+            local = parts[0]
+            out = local.new_zeros((params[0].stored_size, *local.shape[1:]))
         for r, part in enumerate(parts):
             offset = 0
             for start, stop in param.stored_rows[r]:
@@ -540,7 +541,7 @@ def _local_pieces(key: str, stored: tuple, param: torch.Tensor, tp_rank: int, tp
     expected = list(param.shape)
     rows = getattr(param, "unpadded_size", None)
     if hasattr(param, "stored_rows"):  # some rows of the stored tensor (GroupedQKVLinear's q or k/v rows)
-        ranges = _stored_rows(param, tp_rank)
+        ranges = param.stored_rows[tp_rank]
         expected[0] = param.stored_size
         if tuple(expected) != stored:
             raise CheckpointError(f"tensor {key}: checkpoint has shape {stored}, the model expects {tuple(expected)} "

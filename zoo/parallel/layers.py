@@ -41,7 +41,7 @@ from zoo.parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from zoo.parallel.topology import get_tensor_model_parallel_group, group_rank_and_size
+from zoo.parallel.topology import get_tensor_model_parallel_group, group_rank_and_size, tensor_parallel_subgroup
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
 
@@ -184,8 +184,6 @@ class GroupedQKVLinear(nn.Module):
     def __init__(self, input_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *, bias: bool = True,
                  init_method: InitMethod = nn.init.xavier_normal_, sequence_parallel: bool = False, tp_group=None,
                  params_dtype: torch.dtype = torch.float32, device=None):
-        from zoo.parallel.topology import tensor_parallel_subgroup
-
         super().__init__()
         self.tp_group = get_tensor_model_parallel_group() if tp_group is None else tp_group
         self.tp_rank, tp = group_rank_and_size(self.tp_group)
