@@ -149,3 +149,25 @@ def test_generation_with_the_kv_cache_at_tp2_equals_tp1(tmp_path, dist_run):
     greedy1, sampled1 = generate_from_folder(folder, 1, ids, 12)
     for greedy2, sampled2 in dist_run(2, generate_from_folder, folder, 2, ids, 12):
         assert torch.equal(greedy2, greedy1) and torch.equal(sampled2, sampled1)
+
+
+def subgroups_case():
+    import torch.distributed as dist
+
+    from zoo.parallel.topology import LayoutError, initialize_model_parallel, tensor_parallel_subgroup
+
+    grid = initialize_model_parallel(4, 1)
+    pair = tensor_parallel_subgroup(grid.tp_group, 2)
+    try:
+        grid.tp_subgroup(3)
+        refused = None
+    except LayoutError as e:
+        refused = str(e)
+    return (dist.get_process_group_ranks(pair), tensor_parallel_subgroup(grid.tp_group, 4) is grid.tp_group,
+            tensor_parallel_subgroup(grid.tp_group, 1), [size for size, _, _ in grid.tp_subgroups()], refused)
+
+
+def test_tp_subgroups_are_runs_of_consecutive_tp_ranks(dist_run):
+    for rank, (pair, whole, none, sizes, refused) in enumerate(dist_run(4, subgroups_case)):
+        assert pair == [rank // 2 * 2, rank // 2 * 2 + 1] and whole and none is None and sizes == [2]
+        assert refused == "no TP subgroup of 3 ranks: 3 does not divide tp 4"
