@@ -281,13 +281,15 @@ NOTES = {
     "GPT2LMHeadModel": ("Conv1D transposes, fused c_attn split, tied head", "(tp, pp) = (1,1), (2,1), (1,2), (2,2)"),
     "LlamaForCausalLM": ("any number of kv heads (QKV regrouped per kv group), any `head_dim`, tied or untied, "
                          "rope_theta, linear/llama3/yarn/longrope RoPE scaling (dynamic refused)",
-                         "(tp, pp) = (1,1), (2,1), (1,2), (2,2); tp 3 (9 q / 3 kv heads)"),
+                         "(tp, pp) = (1,1), (2,1), (1,2), (2,2); tp 3 (9 q / 3 kv heads); tp 4 with 2 kv heads "
+                         "(replicated; one-kv-head training equals one process at tp2+SP, tp2 x pp2, ZeRO-2/3, tp4, "
+                         "cp2 x tp2)"),
     "MistralForCausalLM": ("`sliding_window` on every layer (zoo's `sliding_window`); without a window shorter than "
                            "the context it is Llama and exported back as Llama",
                            "windowed: (tp, pp) = (1,1), (2,1), (1,2); without: (2,2)"),
     "Qwen2ForCausalLM": ("q/k/v biases (`qkv_bias`), output and MLP without; windows on the layers `layer_types` "
                          "marks (derived from `max_window_layers`), written back with `layer_types`",
-                         "(tp, pp) = (1,1), (2,2); windowed: (1,1)"),
+                         "(tp, pp) = (1,1), (2,2); windowed: (1,1); one kv head at tp 2 and 4 (replicated)"),
     "Qwen3ForCausalLM": ("q/k RMSNorm per head (`qk_norm: head`), any `head_dim`, windows as Qwen2; no "
                          "`attention_bias`", "(tp, pp) = (1,1), (2,1), (1,2); greedy generation as transformers"),
     "MixtralForCausalLM": ("every layer sparse, softmax top-k renormalised; `sliding_window` on every layer as "
@@ -332,8 +334,9 @@ NOTES = {
                           "RMSNorm per head and the weightless v norm, layer scalars, sandwich RMSNorms, GeGLU, "
                           "sliding/full `layer_types` with their own RoPE (plain local theta, proportional global), "
                           "final soft-cap, tied; refused: per-layer input embeddings, KV sharing, the MoE block",
-                          "(tp, pp) = (1,1), (2,1), (1,2); greedy generation as transformers; training at tp2+SP, "
-                          "pp2, cp2 (Ulysses, ring), ZeRO-2"),
+                          "(tp, pp) = (1,1), (2,1), (1,2); one kv head on the full layers at tp 2 (replicated); greedy "
+                          "generation as transformers; training at tp2+SP (also replicated), pp2, cp2 (Ulysses, ring), "
+                          "ZeRO-2"),
     "BertModel": ("no head; sentence-embedding (sentence-transformers) folders import; WordPiece files pass "
                   "through", "(tp, pp) = (2,2)"),
     "BertForMaskedLM": ("MLM head tied to the word embeddings", "(tp, pp) = (1,1), (2,1), (1,2), (2,2)"),

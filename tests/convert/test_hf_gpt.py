@@ -239,6 +239,7 @@ CASES = {
     "qwen2-tied": lambda: hf_llama(arch="qwen2", tied=True, kv_heads=1, use_sliding_window=False),
     "gemma2": lambda: hf_gemma2(),
     "gemma4": lambda: hf_gemma4(num_global_key_value_heads=2),  # 2 kv heads on every layer: tp 2 splits them
+    "gemma4-1kv": lambda: hf_gemma4(),  # one kv head on the full layers: replicated at tp 2
     # Windows shorter than verify's 16 tokens: every layer (Mistral), the layers after max_window_layers (Qwen3,
     # with per-head q/k norm and head_dim 24 != 64 / 4).
     "mistral-window": lambda: hf_llama(arch="mistral", sliding_window=5),
@@ -262,6 +263,9 @@ GEMMA4_LAYOUTS = [(2, 1), (1, 2)]  # per-layer head shapes, k = v under TP, laye
 WINDOW_CASES, WINDOW_LAYOUTS = ["mistral-window", "qwen3"], [(2, 1), (1, 2)]  # tp 1, pp 1: tests/convert/test_registry
 BLOCK_CASES = ["olmo2", "olmo3", "granite", "neox"]  # at WINDOW_LAYOUTS too (tp 1: test_registry)
 ROPE_CASES, ROPE_LAYOUTS = ["smollm3", "phi3", "gemma3"], [(2, 1), (1, 2)]  # tp 1, pp 1: tests/convert/test_registry
+# tp above the kv heads (each kv head replicated over tp / nkv ranks): Qwen2 with one kv head (q/k/v biases) at tp 2
+# and 4, the Llama's two kv heads at tp 4, Gemma 4's one kv head on its full layers (k = v) at tp 2.
+KV_REPLICATED = {(2, 1): ["qwen2-tied", "gemma4-1kv"], (4, 1): ["qwen2-tied", "llama-untied"]}
 
 
 def save_hf(model, folder: Path, seed: int = 0, **kwargs) -> Path:
@@ -344,12 +348,12 @@ def verify_cases(pairs, tp, pp):
 
 def test_verify_every_layout(hf_dirs, zoo_dirs, dist_run):
     """One pool of 4 ranks serves every layout (dp = 4 / (tp x pp) replicas; rank 0's replica is compared)."""
-    for tp, pp in LAYOUTS:
-        names = (LAYOUT_CASES + (["qwen2"] if (tp, pp) in QWEN2_LAYOUTS else [])
+    for tp, pp in LAYOUTS + [(4, 1)]:
+        names = ((LAYOUT_CASES if (tp, pp) in LAYOUTS else []) + (["qwen2"] if (tp, pp) in QWEN2_LAYOUTS else [])
                  + (WINDOW_CASES + BLOCK_CASES if (tp, pp) in WINDOW_LAYOUTS else [])
                  + (["gemma2"] if (tp, pp) in GEMMA2_LAYOUTS else [])
                  + (ROPE_CASES if (tp, pp) in ROPE_LAYOUTS else [])
-                 + (["gemma4"] if (tp, pp) in GEMMA4_LAYOUTS else []))
+                 + (["gemma4"] if (tp, pp) in GEMMA4_LAYOUTS else []) + KV_REPLICATED.get((tp, pp), []))
         pairs = [(str(hf_dirs[n]), str(zoo_dirs[n])) for n in names]
         per_rank = dist_run(4, verify_cases, pairs, tp, pp)
         assert all(r == per_rank[0] for r in per_rank)  # every rank returns rank 0's number
@@ -423,8 +427,9 @@ def check_capped(result, pairs, shares, layers: int, vocab_modules: int = 2):
 def test_verify_with_a_memory_cap_streams_both_sides(hf_dirs, zoo_dirs, dist_run):
     """--max-memory at tp=2: the zoo side one layer at a time, transformers through accelerate's device_map with
     disk offload; the same max |logit diff| as the uncapped verify."""
-    # GPT-2: learned positions, its tied head read from the embedding's table; Llama: RoPE, an untied head.
-    pairs = [(str(hf_dirs[name]), str(zoo_dirs[name])) for name in ("gpt2", "llama-untied")]
+    # GPT-2: learned positions, its tied head read from the embedding's table; Llama: RoPE, an untied head; Qwen2
+    # with one kv head: each block's replicated k/v rows read by both ranks.
+    pairs = [(str(hf_dirs[name]), str(zoo_dirs[name])) for name in ("gpt2", "llama-untied", "qwen2-tied")]
     shares = [0, 0.75]
     result = dist_run(2, capped_and_whole, pairs, 2, shares)[0]
     # Filled per run: the embedding's other tensors (GPT-2's position table; its token table: only the batch's
@@ -628,11 +633,11 @@ def test_bad_input(hf_dirs, zoo_dirs, tmp_path, capsys):
                  hf_dirs["gpt2"], "--zoo", "/no/such/zoo")  # as the deepspeed launcher calls it
     assert_error(capsys, "is not a zoo model config.*hf-to-zoo", "zoo-to-hf", "--src", hf_dirs["gpt2"], "--out", out)
     # A layout the heads do not allow: named before any process group is made.
-    assert_error(capsys, r"tp 4 does not divide num_attention_heads 9; tp must divide num_attention_heads 9, "
-                 r"num_key_value_heads 3 and intermediate_size 96: use 1 or 3", "verify", "--hf",
-                 hf_dirs["llama-9q3kv"], "--zoo", zoo_dirs["llama-9q3kv"], "--tp", "4")
-    assert_error(capsys, "tp 4 does not divide num_key_value_heads 2; .*: use 1 or 2", "verify", "--hf",
-                 hf_dirs["llama-untied"], "--zoo", zoo_dirs["llama-untied"], "--tp", "4")
+    assert_error(capsys, r"tp 4 does not divide num_attention_heads 9; tp must divide num_attention_heads 9 and "
+                 r"intermediate_size 96, and divide or be a multiple of num_key_value_heads 3: use 1 or 3", "verify",
+                 "--hf", hf_dirs["llama-9q3kv"], "--zoo", zoo_dirs["llama-9q3kv"], "--tp", "4")
+    assert_error(capsys, "tp 8 does not divide num_attention_heads 4; .*: use 1, 2 or 4", "verify", "--hf",
+                 hf_dirs["llama-untied"], "--zoo", zoo_dirs["llama-untied"], "--tp", "8")
     assert_error(capsys, "pp 3 exceeds num_hidden_layers 2", "verify", "--hf", hf_dirs["gpt2"], "--zoo",
                  zoo_dirs["gpt2"], "--pp", "3")
     assert_error(capsys, "--max-memory runs the zoo model one layer at a time in one pipeline stage, not at pp 2: "

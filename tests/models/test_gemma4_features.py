@@ -2,7 +2,8 @@
 layers, ``attention_k_eq_v``, ``v_norm``, ``layer_scalar``, proportional RoPE, through the Gemma 4 adapter's config
 mapping and per-layer table): logits equal transformers' Gemma4ForCausalLM (eager attention) on the same weights,
 greedy generation past the window equals HF's, the refusals are one line each, and a tiny model with the features
-trains the same at tp2 + SP, pp2, dp2 under ZeRO-2 and cp2 (Ulysses and ring) as in one process (fp32, 1e-5).
+trains the same at tp2 + SP, pp2, dp2 under ZeRO-2 and cp2 (Ulysses and ring) as in one process (fp32, 1e-5), and
+at tp2 + SP with its full layers' one kv head replicated.
 """
 
 from __future__ import annotations
@@ -125,5 +126,17 @@ def test_bad_fields_are_one_line():
     with pytest.raises(ValueError, match="num_attention_heads 4 is not divisible by num_global_key_value_heads 3"):
         GPTConfig.from_preset("tiny-llama", num_global_key_value_heads=3,
                               layer_types=["full_attention"] * 4)
-    with pytest.raises(ValueError, match="num_global_key_value_heads 1 is not divisible by tp 2"):
-        GPTConfig.from_preset("tiny-llama", num_global_key_value_heads=1).check_layout(2)
+    with pytest.raises(ValueError, match="num_global_key_value_heads 3 and tp 2: one must divide the other"):
+        GPTConfig.from_preset("tiny-llama", num_attention_heads=6, head_dim=16,
+                              num_global_key_value_heads=3).check_layout(2)
+    GPTConfig.from_preset("tiny-llama", num_global_key_value_heads=1).check_layout(2)  # replicated: allowed
+
+
+def test_gemma4_full_layers_with_one_kv_head_train_alike_at_tp2(dist_run):
+    """The full layers' single kv head (k = v) replicated over both TP ranks (zoo.parallel.layers.GroupedQKVLinear
+    with its k rows alone), with sequence parallelism: the one-process losses."""
+    extra = [*attention_layouts.DENSE, *GEMMA4, "model.query_pre_attn_scalar=1", "model.num_global_key_value_heads=1"]
+    expected = gpt_layouts.layout_run(dist_run, "llama", "single", extra)[0][0]
+    for rank_losses in gpt_layouts.layout_run(dist_run, "llama", "tp2-sp", extra)[0]:
+        torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(expected), rtol=1e-5, atol=0)
+    assert expected[-1] < expected[0], f"the reference run must learn: {expected}"

@@ -415,3 +415,15 @@ def test_windowed_attention_is_priced_by_its_window():
         c = GPTConfig.from_preset("mistral-7b", sliding_window=w, max_position_embeddings=65536)
         attn[w] = _block_cost(c, 0, Layout(tp=8), Job(config=c, gpus=8, seq_length=s, global_batch=8), gpu)[1]
     assert attn[4096] / attn[None] == pytest.approx((4096 - 4096 * 4095 / (2 * s)) / (s / 2), rel=1e-12)
+def test_tp_above_the_kv_heads_is_offered():
+    """tiny-llama's 2 kv heads: tp 4 replicates each over 2 ranks (zoo.parallel.layers.GroupedQKVLinear), so it is
+    offered (the layouts test above runs its configs through zoo's validation); tp 8 does not divide the 4 query
+    heads. The replicated k/v rows cost a rank 2 d h per block beyond a quarter of the q rows."""
+    from zoo.plan.estimate import block_tensors
+    from zoo.plan.search import candidates
+
+    c = GPTConfig.from_preset("tiny-llama")
+    offered = {lay.tp for lay in candidates(Job(c, 8, 128, 16, dtype="bf16"), get_gpu("h100"))}
+    assert offered == {1, 2, 4}
+    d, h = c.head_dim, c.hidden_size
+    assert block_tensors(c, 0, 4)[0][:2] == [c.num_attention_heads * d * h // 4, 2 * d * h]

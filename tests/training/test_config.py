@@ -19,7 +19,10 @@ def _validate(path, overrides, world=1, **kw):
 
 BAD = [
     (TINY, ["parallel.tp=3"], 3, r"^num_attention_heads 4 is not divisible by tp 3; use a tp that divides it$"),
-    (LLAMA, ["parallel.tp=4"], 4, r"^num_key_value_heads 2 is not divisible by tp 4; use a tp that divides it$"),
+    # tp above the kv heads replicates them (tests/training/test_kv_replication_layouts.py) where it is a multiple
+    (LLAMA, ["parallel.tp=2", "model.num_attention_heads=6", "model.head_dim=16", "model.num_key_value_heads=3"], 2,
+     r"^num_key_value_heads 3 and tp 2: one must divide the other \(tp > kv heads replicates each kv head over "
+     r"tp / kv heads ranks\); use a tp that divides 3 or a multiple of it$"),
     (TINY, ["parallel.pp=8"], 8, r"^num_hidden_layers 4 is smaller than pp 8; every pipeline stage needs"),
     (TINY, ["parallel.pp=2", "parallel.zero_stage=2"], 2,
      r"^ZeRO stage 2 does not work with pipeline parallelism \(pp=2\); use zero_stage 0 or 1 with pp > 1"),

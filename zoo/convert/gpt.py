@@ -224,16 +224,26 @@ def layout_problem(cfg: GPTConfig, tp: int, pp: int, ep: int = 1) -> str | None:
     if cfg.num_experts % ep:
         ok = [e for e in range(1, cfg.num_experts + 1) if cfg.num_experts % e == 0]
         return f"num_experts {cfg.num_experts} is not divisible by ep {ep}; use an ep that divides it: {_either(ok)}"
-    split = {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads}
+    split = {"num_attention_heads": cfg.num_attention_heads}
     if cfg.has_dense_mlp():  # experts are never split over TP; dense MLPs are
         split["intermediate_size"] = cfg.intermediate_size
+    nkv = cfg.num_key_value_heads
+
+    def kv_ok(t):  # tp divides the kv heads, or is a multiple of them (each kv head replicated over tp / nkv ranks)
+        return (nkv % t == 0 or t % nkv == 0) and (t <= nkv or cfg.qk_norm != "full")
+
     bad = [(name, n) for name, n in split.items() if n % tp]
-    if bad:
-        ok = [t for t in range(1, cfg.num_key_value_heads + 1) if all(n % t == 0 for n in split.values())]
-        name, n = bad[0]
+    if bad or not kv_ok(tp):
+        ok = [t for t in range(1, cfg.num_attention_heads + 1) if all(n % t == 0 for n in split.values()) and kv_ok(t)]
         named = [f"{k} {v}" for k, v in split.items()]
-        return (f"tp {tp} does not divide {name} {n}; tp must divide {', '.join(named[:-1])} and {named[-1]}: "
-                f"use {_either(ok)}")
+        rule = (f"tp must divide {', '.join(named[:-1])} and {named[-1]}" if len(named) > 1 else
+                f"tp must divide {named[0]}") + f", and divide or be a multiple of num_key_value_heads {nkv}"
+        if cfg.qk_norm == "full":
+            rule += " (at most it: qk_norm 'full')"
+        what = f"{bad[0][0]} {bad[0][1]}" if bad else f"num_key_value_heads {nkv} (nor is a multiple of it)"
+        if not bad and tp > nkv and tp % nkv == 0:
+            what = f"num_key_value_heads {nkv} (qk_norm 'full' needs tp <= kv heads)"
+        return f"tp {tp} does not divide {what}; {rule}: use {_either(ok)}"
     if pp > cfg.num_hidden_layers:
         return (f"pp {pp} exceeds num_hidden_layers {cfg.num_hidden_layers}; every pipeline stage needs a block: "
                 f"use pp <= {cfg.num_hidden_layers}")

@@ -13,7 +13,10 @@ temporary name and moved into place at the end, so a crash never leaves a half-w
 
 Reading (:func:`load_model`): every rank opens the safetensors files lazily and reads only the rows or columns of
 each tensor its shard holds (``safe_open(...).get_slice``), so memory stays at this rank's share of the model.
-Vocabulary rows beyond ``vocab_size`` (padding to a multiple of 128 x tp) are zero. A tensor over 16 MB is copied
+Vocabulary rows beyond ``vocab_size`` (padding to a multiple of 128 x tp) are zero. A parameter may hold given rows of
+a stored tensor instead (``stored_name``, ``stored_rows``, ``stored_size``: the query rows and the replicated k/v rows
+of ``zoo.parallel.layers.GroupedQKVLinear``, where tp exceeds the kv heads): it reads those rows, and the stored
+tensor is written whole, from every TP rank's rows, replicated rows once. A tensor over 16 MB is copied
 into its parameter a few rows at a time, each read through its own open of the file: pages a read maps stay
 resident until the file closes, and would hold the tensor twice.
 """
@@ -34,7 +37,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from zoo.parallel.shards import barrier, full_tensor, gather_objects, global_rank, is_sharded, shard_ranges
+from zoo.parallel.shards import (
+    barrier,
+    full_tensor,
+    gather_objects,
+    gather_shards,
+    global_rank,
+    is_sharded,
+    shard_ranges,
+)
 from zoo.parallel.topology import group_rank_and_size
 
 FORMAT_VERSION = 1
@@ -390,9 +401,38 @@ def is_expert_parallel(param: torch.Tensor) -> bool:
     return bool(getattr(param, "expert_parallel", False))
 
 
+def stored_key(name: str, param: torch.Tensor) -> str:
+    """The tensor of a model folder that holds ``param`` (named ``name`` in the module): itself, or for a parameter
+    holding some rows of a stored tensor (``stored_name``: ``GroupedQKVLinear``'s k/v rows) that tensor."""
+    stored = getattr(param, "stored_name", None)
+    return name if stored is None else f"{name.rsplit('.', 1)[0]}.{stored}" if "." in name else stored
+
+
+def full_stored(params: list[torch.Tensor], tp_group) -> torch.Tensor:
+    """The full stored tensor whose rows ``params`` hold between them on the TP ranks (``stored_rows``): each
+    parameter all-gathered over ``tp_group`` (collective) and its rows put in place; rows several ranks hold
+    (replicated k/v rows) are equal there and written once."""
+    out = None
+    for param in params:
+        with _gathered(param):
+            parts = gather_shards(param.data, tp_group)  # [one per TP rank]
+        if out is None:
+            local = parts[0]
+            out = local.new_zeros((params[0].stored_size, *local.shape[1:]))
+        for r, part in enumerate(parts):
+            offset = 0
+            for start, stop in param.stored_rows[r]:
+                out[start:stop] = part[offset:offset + stop - start]
+                offset += stop - start
+    return out
+
+
 def full_param(param: torch.Tensor, tp_group, ep_group=None) -> torch.Tensor:
     """The tp=1, ep=1, unpadded value of a parameter (collective over ``tp_group`` for sharded ones, over
-    ``ep_group`` for experts)."""
+    ``ep_group`` for experts). A parameter holding rows of a larger stored tensor (``stored_rows``) has no value
+    of its own: :func:`full_stored`."""
+    if hasattr(param, "stored_rows"):
+        raise ValueError("a parameter holding rows of a stored tensor (stored_rows) is written with full_stored")
     with _gathered(param):
         data = param.data
         if is_sharded(param):
@@ -430,8 +470,10 @@ def save_model(folder: str | os.PathLike, module: torch.nn.Module, grid, family:
         staging.mkdir(parents=True)
     barrier()
     # A tensor held by several stages (tied embeddings) is written by the first stage that holds it.
-    tensors = model_tensors(module)
-    names = list(tensors)
+    stored: dict[str, list] = {}  # stored tensor -> the parameters that hold its rows (GroupedQKVLinear)
+    for name, param in model_tensors(module).items():
+        stored.setdefault(stored_key(name, param), []).append(param)
+    names = list(stored)
     owner: dict[str, int] = {}
     for stage, stage_names in sorted(gather_objects((pp_rank, names))):
         for n in stage_names:
@@ -440,8 +482,11 @@ def save_model(folder: str | os.PathLike, module: torch.nn.Module, grid, family:
     writer_rank = writer_rank and getattr(grid, "cp_rank", 0) == 0  # CP ranks hold the same weights
     writer = ShardedWriter(staging, prefix=f"model-stage{pp_rank:03d}", max_shard_bytes=max_shard_bytes)
     failure = None  # a write that failed here (disk full, a size limit): the collectives go on, the others learn it
-    for name, param in tensors.items():
-        full = full_param(param, tp_group, ep_group)  # collective over TP (ZeRO-3: DP; experts: EP)
+    for name, params in stored.items():
+        if hasattr(params[0], "stored_rows"):
+            full = full_stored(params, tp_group)  # collective over TP
+        else:
+            full = full_param(params[0], tp_group, ep_group)  # collective over TP (ZeRO-3: DP; experts: EP)
         if writer_rank and owner[name] == pp_rank and failure is None:
             try:
                 writer.add(name, full if dtype is None else full.to(dtype))
@@ -495,6 +540,13 @@ def _local_pieces(key: str, stored: tuple, param: torch.Tensor, tp_rank: int, tp
     ``dim``, each ``(index into the stored tensor, or None for zero padding rows, its size along dim)``."""
     expected = list(param.shape)
     rows = getattr(param, "unpadded_size", None)
+    if hasattr(param, "stored_rows"):  # some rows of the stored tensor (GroupedQKVLinear's q or k/v rows)
+        ranges = param.stored_rows[tp_rank]
+        expected[0] = param.stored_size
+        if tuple(expected) != stored:
+            raise CheckpointError(f"tensor {key}: checkpoint has shape {stored}, the model expects {tuple(expected)} "
+                                  f"(unsharded)")
+        return 0, [((slice(a, b),) + (slice(None),) * (len(stored) - 1), b - a) for a, b in ranges]
     if is_expert_parallel(param):
         local = param.shape[0]
         expected[0] = local * ep
@@ -668,19 +720,20 @@ def load_tensors(folder: str | os.PathLike, params: dict[str, torch.Tensor], tp_
     mapping = weight_map(folder)
     tp_rank, tp = group_rank_and_size(tp_group)
     ep_rank, ep = group_rank_and_size(ep_group)
-    missing = sorted(set(params) - set(mapping))
+    keys = {name: stored_key(name, param) for name, param in params.items()}  # module name -> stored tensor
+    missing = sorted(set(keys.values()) - set(mapping))
     if missing:
         raise CheckpointError(f"{folder} lacks {len(missing)} tensor(s) this model needs, e.g. {missing[:3]}; "
                               f"was it written for another model or family?")
     by_file: dict[str, list[str]] = {}
     for name in params:
-        by_file.setdefault(mapping[name], []).append(name)
+        by_file.setdefault(mapping[keys[name]], []).append(name)
     with torch.no_grad():
         for fname, names in by_file.items():
             large = [n for n in names if params[n].numel() * params[n].element_size() > COPY_CHUNK_BYTES]
             with safe_open(folder / fname, "pt") as f:
                 for name in (n for n in names if n not in large):
                     param = params[name]
-                    param.copy_(_local_slice(f, name, param, tp_rank, tp, ep_rank, ep))
+                    param.copy_(_local_slice(f, keys[name], param, tp_rank, tp, ep_rank, ep))
             for name in large:
-                _read_in_chunks(folder / fname, name, params[name], tp_rank, tp, ep_rank, ep)
+                _read_in_chunks(folder / fname, keys[name], params[name], tp_rank, tp, ep_rank, ep)

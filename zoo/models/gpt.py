@@ -67,6 +67,7 @@ from zoo.parallel.context_parallel import (
 from zoo.parallel.cross_entropy import linear_cross_entropy_sum, vocab_parallel_cross_entropy
 from zoo.parallel.layers import (
     ColumnParallelLinear,
+    GroupedQKVLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     divide,
@@ -88,7 +89,7 @@ FAMILY = "gpt"  # the family name of a zoo model folder (zoo.models.registry)
 
 @dataclass
 class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dict
-    tp_split_heads = ("num_attention_heads", "num_key_value_heads")  # what tensor parallelism splits
+    tp_split_heads = ("num_attention_heads",)  # what tensor parallelism splits (kv heads: check_layout)
 
     vocab_size: int = 50257
     hidden_size: int = 768
@@ -336,15 +337,24 @@ class GPTConfig(TransformerConfig):  # padded_vocab_size, check_layout, from_dic
         return any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
     def check_layout(self, tp: int, pp: int = 1, ep: int = 1) -> None:
-        """One line per problem, before anything is built: which number does not divide which."""
+        """One line per problem, before anything is built: which number does not divide which. tp may exceed
+        num_key_value_heads when it is a multiple of them (each kv head replicated over tp / nkv ranks)."""
         if ep > 1 and self.num_experts == 0:
             raise ValueError(f"ep {ep} needs a mixture-of-experts model (num_experts > 0)")
         if ep > 1 and self.num_experts % ep:
             raise ValueError(f"num_experts {self.num_experts} is not divisible by ep {ep}; use an ep that divides it")
-        gkv = self.num_global_key_value_heads
-        if gkv and gkv % tp:
-            raise ValueError(f"num_global_key_value_heads {gkv} is not divisible by tp {tp}; use a tp that divides it")
         super().check_layout(tp, pp)
+        for name in ("num_key_value_heads", "num_global_key_value_heads"):  # the latter: Gemma 4's full layers
+            nkv = getattr(self, name)
+            if nkv is None:
+                continue
+            if nkv % tp and tp % nkv:
+                raise ValueError(f"{name} {nkv} and tp {tp}: one must divide the other (tp > kv heads replicates "
+                                 f"each kv head over tp / kv heads ranks); use a tp that divides {nkv} or a "
+                                 f"multiple of it")
+            if tp > nkv and self.qk_norm == "full":
+                raise ValueError(f"qk_norm 'full' is not supported with tp {tp} > {name} {nkv} (replicated kv "
+                                 f"heads); use a tp that divides {nkv}")
 
     def num_parameters(self, include_embeddings: bool = True, active: bool = False) -> int:
         """Parameters of the unpadded model (as a HF checkpoint counts them). ``active``: those one token uses,
@@ -669,7 +679,9 @@ class GPTAttention(nn.Module):
     """Causal self-attention; heads split over TP; with CP, over the whole sequence by Ulysses or ring attention.
 
     The fused QKV weight is laid out per key-value group: ``[q (nq/nkv heads), k, v]`` for each of the nkv groups,
-    so a contiguous TP split hands each rank whole groups (tp must divide nkv), as in Megatron. Ulysses then splits
+    so a contiguous TP split hands each rank whole groups where tp divides nkv, as in Megatron. Where tp is a
+    multiple of nkv, the tp / nkv ranks of a group split its query heads and each holds the group's k/v rows, their
+    gradients summed over those ranks (:class:`zoo.parallel.layers.GroupedQKVLinear`). Ulysses then splits
     a TP rank's nq/tp query heads over CP (cp must divide them); ring attention has no head limit and no dropout.
 
     Training calls ``forward(x)``. Generation passes a :class:`KVCache`, or attaches one as ``self.kv_cache``
@@ -698,15 +710,21 @@ class GPTAttention(nn.Module):
                                        attention_k_eq_v=False, layer_types=None, sliding_window=None)
         else:
             self.rope_config = config
-        self.qkv = ColumnParallelLinear(config.hidden_size, (nq + self.kv_rows * nkv) * d, bias=config.use_qkv_bias,
-                                        init_method=init_method_normal(config.initializer_range),
+        tp = group_rank_and_size(par.tp_group)[1]
+        if tp > nkv:  # each kv head replicated over the tp / nkv ranks that split its query heads
+            self.qkv = GroupedQKVLinear(config.hidden_size, nq, nkv, d, bias=config.use_qkv_bias,
+                                        kv_parts=self.kv_rows, init_method=init_method_normal(config.initializer_range),
                                         sequence_parallel=par.sequence_parallel, tp_group=par.tp_group)
+        else:
+            self.qkv = ColumnParallelLinear(config.hidden_size, (nq + self.kv_rows * nkv) * d,
+                                            bias=config.use_qkv_bias,
+                                            init_method=init_method_normal(config.initializer_range),
+                                            sequence_parallel=par.sequence_parallel, tp_group=par.tp_group)
         self.dense = RowParallelLinear(nq * d, config.hidden_size, bias=config.add_bias, input_is_parallel=True,
                                        init_method=output_init, sequence_parallel=par.sequence_parallel,
                                        tp_group=par.tp_group)
-        tp = self.qkv.tp_world_size
-        self.num_groups_local = divide(nkv, tp, "num_key_value_heads")
-        self.q_per_group = nq // nkv
+        self.num_groups_local = divide(nkv, tp, "num_key_value_heads") if tp <= nkv else 1
+        self.q_per_group = nq // nkv if tp <= nkv else nq // tp  # query heads per local group
         self.head_dim = d
         self.sequence_parallel = par.sequence_parallel
         self.par, self.cp = par, group_rank_and_size(par.cp_group)[1]

@@ -14,8 +14,9 @@ outer call, because torch calls them through its internal module, not the public
 Bytes are the size of the buffer the collective is about, the figure the closed forms use: the tensor of an
 all-reduce, broadcast, send or receive; the gathered output of an all-gather; the input of a reduce-scatter and of
 an all-to-all. A group is named from the grid (``tp``, ``cp``, ``ep``, ``edp``, ``dp`` (DeepSpeed's data-parallel
-group, dp x cp), ``pp``, ``world``), first by identity, then by its ranks; point-to-point messages are named by
-the pipeline group when the peer is in it. Counting adds one Python call per collective and nothing else, so it stays
+group, dp x cp), ``pp``, ``tpsub<n>`` (runs of n TP ranks sharing a replicated kv head), ``world``), first by
+identity, then by its ranks; point-to-point messages are named by the pipeline group when the peer is in it.
+Counting adds one Python call per collective and nothing else, so it stays
 on in every run: 1.6-2.4 us of bookkeeping per collective (measured on 2 loaded CPU cores, torch 2.13), against
 configs/gpt/tiny.yaml's steps on 2 ranks: at tp=2, 47 collectives, 0.1% of a step's ~80 ms of CPU; at dp=2 ZeRO-1,
 6 collectives, 0.02% (alternating blocks of steps with and without it: no difference above the noise). It would
@@ -91,6 +92,8 @@ class CommCounter:
                 ("ep", grid.ep_group, grid.ep_ranks), ("edp", grid.edp_group, grid.edp_ranks),
                 ("dp", grid.get_data_parallel_group(), grid._data.ranks),
                 ("pp", grid.pp_group, grid.pp_ranks)]
+        # runs of consecutive TP ranks sharing a replicated kv head (tp > kv heads): "tpsub2" for runs of 2
+        axes += [(f"tpsub{size}", group, ranks) for size, group, ranks in getattr(grid, "tp_subgroups", list)()]
         if grid.ep == 1:  # no expert groups: the expert-data-parallel group is the data-parallel one
             axes = [axis for axis in axes if axis[0] not in ("ep", "edp")]
         return [(name, group, tuple(sorted(ranks))) for name, group, ranks in axes if group is not None]

@@ -41,7 +41,7 @@ from zoo.parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from zoo.parallel.topology import get_tensor_model_parallel_group, group_rank_and_size
+from zoo.parallel.topology import get_tensor_model_parallel_group, group_rank_and_size, tensor_parallel_subgroup
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
 
@@ -145,6 +145,102 @@ class ColumnParallelLinear(nn.Module):
     def extra_repr(self):
         return (f"in={self.input_size}, out={self.output_size} (local {self.output_size_per_partition}), "
                 f"bias={self.bias is not None}, gather_output={self.gather_output}, sp={self.sequence_parallel}")
+
+
+def grouped_qkv_rows(num_heads: int, num_kv_heads: int, head_dim: int, rank: int, world: int,
+                     kv_parts: int = 2) -> tuple:
+    """``(q rows, kv rows)`` of TP rank ``rank`` of ``world`` > ``num_kv_heads`` in the fused per-group QKV weight
+    ``[q (nq/nkv heads), k, v]`` x nkv: each ``(start, stop)``. The ``world / nkv`` consecutive ranks of a group split
+    its query heads and each hold its k and v rows whole. ``kv_parts`` 1: groups ``[q heads, k]`` (Gemma 4's k = v
+    layers)."""
+    d, replicas = head_dim, world // num_kv_heads
+    per_group, q_local = num_heads // num_kv_heads, num_heads // world
+    group, j = divmod(rank, replicas)
+    first = group * (per_group + kv_parts) * d
+    q_rows = (first + j * q_local * d, first + (j + 1) * q_local * d)
+    return q_rows, (first + per_group * d, first + (per_group + kv_parts) * d)
+
+
+class GroupedQKVLinear(nn.Module):
+    """The fused QKV projection when tp exceeds the key-value heads (tp a multiple of nkv, nq divisible by tp).
+
+    The full weight is laid out per kv group, ``[q (nq/nkv heads); k; v]`` x nkv (as ``ColumnParallelLinear`` holds
+    it when tp divides nkv). Here the R = tp / nkv consecutive TP ranks of group g split its query heads and each
+    holds g's k and v rows too, replicated (as inference engines replicate kv heads), so a rank computes
+    ``[b, s, (nq/tp + 2) d]``: ``[q_local; k; v]`` of one group. ``weight`` holds the query rows (sharded over TP,
+    ``[nq/tp d, h]``), ``kv_weight`` the k and v rows (``[2 d, h]``, and ``bias`` / ``kv_bias`` alike; ``kv_parts``
+    1: the k rows alone, for Gemma 4's k = v layers).
+
+    Exact for training: a replica's k/v gradient only holds its own query heads' share, so ``kv_weight``'s gradient
+    is summed over the group's R ranks (``kv_group``, a TP subgroup built with the grid) and the replicas stay equal.
+    The input gradient needs nothing more: the TP reduction of the input (all-reduce, or SP's reduce-scatter) sums
+    the replicas' shares as it sums the query heads'. The gradient norm counts the k/v rows once: ``kv_weight`` is
+    marked ``tensor_model_parallel`` on the group's first rank only, so DeepSpeed (ZeRO, bf16) and
+    ``zoo.parallel.grad_norm`` count it there (and, unmarked, nowhere else: those ranks are not TP rank 0).
+
+    Model folders store the full fused tensor under ``weight`` / ``bias``: both parameters carry ``stored_name`` and
+    ``stored_rows`` (per TP rank, the ``(start, stop)`` rows of the stored tensor of ``stored_size`` rows they hold;
+    ``zoo.convert.io``
+    reads and writes them, the k/v rows once). Initialization: the full master weight, as ``ColumnParallelLinear``.
+    """
+
+    def __init__(self, input_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *, bias: bool = True,
+                 init_method: InitMethod = nn.init.xavier_normal_, sequence_parallel: bool = False, tp_group=None,
+                 params_dtype: torch.dtype = torch.float32, device=None, kv_parts: int = 2):
+        super().__init__()
+        self.tp_group = get_tensor_model_parallel_group() if tp_group is None else tp_group
+        self.tp_rank, tp = group_rank_and_size(self.tp_group)
+        self.tp_world_size = tp
+        if tp % num_kv_heads or num_heads % tp:
+            raise ValueError(f"GroupedQKVLinear: tp {tp} must be a multiple of num_key_value_heads {num_kv_heads} and "
+                             f"divide num_attention_heads {num_heads}")
+        self.sequence_parallel = sequence_parallel
+        self.replicas = tp // num_kv_heads
+        self.kv_group = tensor_parallel_subgroup(self.tp_group, self.replicas)
+        self.input_size, self.head_dim = input_size, head_dim
+        rows = [grouped_qkv_rows(num_heads, num_kv_heads, head_dim, r, tp, kv_parts) for r in range(tp)]
+        (q0, q1), (k0, k1) = rows[self.tp_rank]
+        full = (num_heads + kv_parts * num_kv_heads) * head_dim
+        master = torch.empty((full, input_size), dtype=torch.float32)
+        init_method(master)
+        self.weight = nn.Parameter(master[q0:q1].to(device=device, dtype=params_dtype))
+        self.kv_weight = nn.Parameter(master[k0:k1].to(device=device, dtype=params_dtype))
+        del master
+        params = [(self.weight, self.kv_weight, "weight")]
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(q1 - q0, dtype=params_dtype, device=device))
+            self.kv_bias = nn.Parameter(torch.zeros(k1 - k0, dtype=params_dtype, device=device))
+            params.append((self.bias, self.kv_bias, "bias"))
+        else:
+            self.register_parameter("bias", None)
+            self.register_parameter("kv_bias", None)
+        first = self.tp_rank % self.replicas == 0
+        for q, kv, name in params:
+            set_tensor_model_parallel_attributes(q, 0)
+            set_tensor_model_parallel_attributes(kv, 0)
+            kv.tensor_model_parallel = first  # counted once in gradient norms (see above)
+            kv.kv_replicas = self.replicas
+            q.stored_name = kv.stored_name = name
+            q.stored_size = kv.stored_size = full  # rows of the stored tensor
+            q.stored_rows = tuple((r[0],) for r in rows)
+            kv.stored_rows = tuple((r[1],) for r in rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.tp_group, tensor_parallel_output_grad=True)
+        else:
+            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+        kv_weight = copy_to_tensor_model_parallel_region(self.kv_weight, self.kv_group)  # grads summed over replicas
+        weight = torch.cat([self.weight, kv_weight])
+        bias = None
+        if self.bias is not None:
+            bias = torch.cat([self.bias, copy_to_tensor_model_parallel_region(self.kv_bias, self.kv_group)])
+        return F.linear(x, weight, bias)
+
+    def extra_repr(self):
+        return (f"in={self.input_size}, out={self.weight.shape[0]}+{self.kv_weight.shape[0]} (q local + k/v of one "
+                f"group, replicated over {self.replicas} ranks), bias={self.bias is not None}, "
+                f"sp={self.sequence_parallel}")
 
 
 class RowParallelLinear(nn.Module):

@@ -38,6 +38,17 @@ def full_tensor(local: torch.Tensor, partition_dim: int, stride: int, tp_group) 
     return torch.cat([pieces[r][j] for j in range(stride) for r in range(world)], dim=partition_dim)
 
 
+def gather_shards(local: torch.Tensor, tp_group) -> list[torch.Tensor]:
+    """Every TP rank's ``local`` (the same shape on each), indexed by TP rank: an all-gather over ``tp_group``
+    (a copy of ``local`` alone without one)."""
+    world = group_rank_and_size(tp_group)[1]
+    if world == 1:
+        return [local.detach().clone()]
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local.detach().contiguous(), group=tp_group)
+    return parts
+
+
 def gather_objects(obj, group=None) -> list:
     """``all_gather_object`` that also works without torch.distributed (a world of one)."""
     if not dist.is_initialized():

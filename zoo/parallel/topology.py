@@ -243,6 +243,11 @@ class ParallelGrid:
 
         # Every rank must call new_group for every group, in the same order.
         self._tp = self._build_axis(self.topology.get_axis_comm_lists("model"))
+        for size in range(2, tp):  # runs of consecutive TP ranks: the ranks sharing a replicated kv head
+            if tp % size == 0:
+                runs = [ranks[i:i + size] for ranks in self.topology.get_axis_comm_lists("model")
+                        for i in range(0, tp, size)]
+                setattr(self, f"_tp_sub{size}", self._build_axis(runs))
         self._pp = self._build_axis(self.topology.get_axis_comm_lists("pipe"))
         self._dp = self._build_axis(self.topology.get_axis_comm_lists("data"))
         mp_lists = [self.topology.filter_match(data=d) for d in range(self.dp * cp)]  # pipe x tensor, per replica
@@ -268,6 +273,25 @@ class ParallelGrid:
         cp_axis = self._build_axis([ranks[i:i + cp] for ranks in data_lists for i in range(0, len(ranks), cp)])
         dp_lists = [ranks[c::cp] for ranks in data_lists for c in range(cp)]
         return cp_axis, self._build_axis(dp_lists), dp_lists
+
+    def tp_subgroup(self, size: int):
+        """The group of ``size`` consecutive TP ranks holding this rank (``size`` divides tp; built with the grid, the
+        same on every rank): the ranks that share one key-value head when tp exceeds the kv heads. ``size`` tp: the
+        TP group; 1: None (no communication)."""
+        if size == 1:
+            return None
+        if size == self.tp:
+            return self._tp.group
+        axis = getattr(self, f"_tp_sub{size}", None)
+        if axis is None:
+            raise LayoutError(f"no TP subgroup of {size} ranks: {size} does not divide tp {self.tp}")
+        return axis.group
+
+    def tp_subgroups(self) -> list[tuple[int, object, tuple]]:
+        """``(size, group, ranks)`` of this rank's every TP subgroup smaller than the TP group
+        (:meth:`tp_subgroup`)."""
+        return [(size, axis.group, axis.ranks) for size in range(2, self.tp)
+                if (axis := getattr(self, f"_tp_sub{size}", None)) is not None]
 
     @property
     def expert_group_name(self) -> str:
@@ -480,6 +504,21 @@ def release_groups() -> int:
 
 def get_tensor_model_parallel_group():
     return None if _CURRENT is None else _CURRENT.tp_group
+
+
+def tensor_parallel_subgroup(tp_group, size: int):
+    """The run of ``size`` consecutive ranks of ``tp_group`` holding this rank (:meth:`ParallelGrid.tp_subgroup` of
+    the grid that built ``tp_group``): ``tp_group`` itself when ``size`` is its size, None when 1."""
+    world = group_rank_and_size(tp_group)[1]
+    if size == 1:
+        return None
+    if size == world:
+        return tp_group
+    for grid in list(_EVERY_GRID):
+        if grid.tp_group is tp_group and tp_group is not None:
+            return grid.tp_subgroup(size)
+    raise LayoutError(f"a TP subgroup of {size} of {world} ranks needs a TP group built by "
+                      f"zoo.parallel.topology.initialize_model_parallel")
 
 
 def group_rank_and_size(group) -> tuple[int, int]:

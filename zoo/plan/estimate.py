@@ -111,8 +111,12 @@ def block_tensors(c, i: int, tp: int, ep: int = 1) -> tuple[list[int], list[int]
     columns and the output projections' rows; norms, output biases and the router are replicated; experts are
     whole, E/ep per rank."""
     h, d, nq, nkv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
-    qkv = (nq + 2 * nkv) * d
-    dense = [qkv * h // tp] + [qkv // tp] * c.use_qkv_bias + [nq * d * h // tp] + [h] * c.add_bias
+    if tp > nkv:  # the query rows of tp / nkv ranks, each with its group's k/v rows (replicated): two tensors each
+        dense = [nq * d * h // tp, 2 * d * h] + [nq * d // tp, 2 * d] * c.use_qkv_bias
+    else:
+        qkv = (nq + 2 * nkv) * d
+        dense = [qkv * h // tp] + [qkv // tp] * c.use_qkv_bias
+    dense += [nq * d * h // tp] + [h] * c.add_bias
     dense += {None: [], "head": [d, d], "full": [nq * d // tp, nkv * d // tp]}[c.qk_norm]
     dense += block_norms(c) * _norm_tensors(c)
     swiglu = c.gated_mlp
@@ -257,7 +261,7 @@ def state_bytes(n: int, parts: int, zero: int, dtype: str, optimizer: str, micro
 
 def _dims(c, tp: int, sp: bool):
     h, d = c.hidden_size, c.head_dim
-    nq, nkv = c.num_attention_heads // tp, c.num_key_value_heads // tp
+    nq, nkv = c.num_attention_heads // tp, max(c.num_key_value_heads // tp, 1)  # tp > nkv: one replicated kv head
     g = 1 / tp if sp else 1.0  # share of the norm / residual region a rank holds (sequence parallelism)
     return h, d, nq, nkv, g
 
@@ -455,6 +459,8 @@ def _block_cost(c, i: int, lay: Layout, job: Job, gpu: GPU) -> tuple:
         tp_comm += (2 + rc) * _collective_time(tokens * c.hidden_size * a, lay.tp, kind, gpu, tp_inter)
     if lay.cp > 1:  # Ulysses: q, k, v to heads-sharded whole sequences and the output back, each pass
         size = tokens * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim // lay.tp * a
+        if lay.tp > c.num_key_value_heads:  # one replicated kv head per rank
+            size = tokens * (2 * c.num_attention_heads // lay.tp + 2) * c.head_dim * a
         tp_comm += (2 + rc) * _collective_time(size, lay.cp, "all_to_all", gpu, _inter(lay.tp * lay.cp, gpu))
     ep_comm = 0.0
     if lay.ep > 1 and c.is_moe_layer(i):  # dispatch + combine all-to-alls

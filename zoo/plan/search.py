@@ -43,7 +43,9 @@ def check_job(job: Job) -> None:
 
 
 def _tp_ok(c, tp: int) -> bool:
-    heads = c.num_attention_heads % tp == 0 and c.num_key_value_heads % tp == 0
+    nkv = c.num_key_value_heads  # tp divides the kv heads, or replicates each over tp / nkv ranks
+    kv = nkv % tp == 0 or (tp % nkv == 0 and getattr(c, "qk_norm", None) != "full")
+    heads = c.num_attention_heads % tp == 0 and kv
     return heads and (not c.has_dense_mlp() or c.intermediate_size % tp == 0)
 
 
@@ -122,8 +124,9 @@ def _no_layout(job: Job, gpu: GPU, fixed: dict | None) -> str:
                 f"{job.gpus} GPUs (dp can be {', '.join(map(str, sorted(dps)))}; micro_batch x dp must divide "
                 f"the batch); use a global batch that is a multiple of {min(dps)}, e.g. "
                 f"{-(-job.global_batch // min(dps)) * min(dps)}")
-    return (f"no tensor-parallel size divides num_attention_heads {job.config.num_attention_heads}, "
-            f"num_key_value_heads {job.config.num_key_value_heads} and the MLP width and the {job.gpus} GPUs; "
+    return (f"no tensor-parallel size divides num_attention_heads {job.config.num_attention_heads}, the MLP width "
+            f"and the {job.gpus} GPUs while dividing or being a multiple of num_key_value_heads "
+            f"{job.config.num_key_value_heads}; "
             f"use a GPU count with a common divisor")
 
 

@@ -106,6 +106,13 @@ def resume_plan(cfg: RunConfig, model_cfg, args):
                           f"dp={old['dp']} ZeRO-{old['zero_stage']}; resuming at tp={par.tp} pp={par.pp} "
                           f"dp={cfg.dp} ZeRO-{par.zero_stage} goes through DeepSpeed's universal checkpoint, which "
                           f"needs ZeRO >= 1 on both sides; resume in the saved layout, or train with --zero 1")
+    nkv = getattr(model_cfg, "num_key_value_heads", None)
+    if universal and nkv and max(old["tp"], par.tp) > nkv:
+        raise ConfigError(f"checkpoint {found.root / found.tag} was saved at tp={old['tp']} pp={old['pp']} "
+                          f"dp={old['dp']} ZeRO-{old['zero_stage']}; resuming at tp={par.tp} pp={par.pp} dp={cfg.dp} "
+                          f"ZeRO-{par.zero_stage} needs DeepSpeed's universal checkpoint, which cannot reshard the "
+                          f"replicated kv heads of tp > num_key_value_heads {nkv}; resume in the saved layout, or "
+                          f"start from its exported model folder with --init")
     return found, universal
 
 
