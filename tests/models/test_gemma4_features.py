@@ -54,6 +54,25 @@ def test_the_features_are_on_and_the_layers_differ():
         cfg.padded_vocab_size() - cfg.vocab_size) * cfg.hidden_size
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_planner_counts_each_layers_tensors(tp):
+    """zoo.plan prices each block with its own attention shapes: its per-rank tensors are the built model's (the
+    full layers' wider heads, one kv head replicated at tp 2, k = v), so memory and FLOPs follow the layer type."""
+    from zoo.plan.estimate import block_tensors
+
+    _, model, cfg = gemma4_pair()
+    for i in range(cfg.num_hidden_layers):
+        attention = getattr(model, str(i + 1)).attention
+        d, nkv = attention.head_dim, cfg.layer_kv_heads(i)
+        kv = attention.kv_rows * d * cfg.hidden_size
+        qkv = [cfg.num_attention_heads * d * cfg.hidden_size // tp, kv] if tp > nkv else [
+            (cfg.num_attention_heads * d + attention.kv_rows * nkv * d) * cfg.hidden_size // tp]
+        assert block_tensors(cfg, i, tp)[0][:len(qkv)] == qkv, i
+        if tp == 1:
+            block = getattr(model, str(i + 1))
+            assert sum(block_tensors(cfg, i, 1)[0]) == sum(p.numel() for p in block.parameters()), i
+
+
 def test_logits_equal_transformers_gemma4():
     hf, model, cfg = gemma4_pair()
     ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))  # 24 > window 5

@@ -6,7 +6,7 @@ are priced in a second.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from zoo.plan.hardware import GPU, GiB
 from zoo.training.config import reduce_bucket_elements
@@ -106,15 +106,27 @@ def attended_keys(c, i: int, seq: int) -> float:
     return seq / 2 if w is None or w >= seq else w - w * (w - 1) / (2 * seq)
 
 
+def layer_shapes(c, i: int):
+    """``(config, kv_parts)``: block i's attention shapes as a uniform config (Gemma 4's full-attention layers have
+    their own head dim and kv heads) and its k/v rows per kv head (1 where k = v)."""
+    kv_parts = 1 if getattr(c, "layer_k_eq_v", lambda i: False)(i) else 2
+    if not hasattr(c, "layer_head_dim") or (c.layer_head_dim(i), c.layer_kv_heads(i)) == (c.head_dim,
+                                                                                          c.num_key_value_heads):
+        return c, kv_parts
+    return replace(c, head_dim=c.layer_head_dim(i), num_key_value_heads=c.layer_kv_heads(i), global_head_dim=None,
+                   num_global_key_value_heads=None, attention_k_eq_v=False), kv_parts
+
+
 def block_tensors(c, i: int, tp: int, ep: int = 1) -> tuple[list[int], list[int]]:
     """``(dense, expert)`` parameter tensors (element counts) of block i on one rank: TP splits the QKV / MLP
     columns and the output projections' rows; norms, output biases and the router are replicated; experts are
     whole, E/ep per rank."""
+    c, kv = layer_shapes(c, i)
     h, d, nq, nkv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
     if tp > nkv:  # the query rows of tp / nkv ranks, each with its group's k/v rows (replicated): two tensors each
-        dense = [nq * d * h // tp, 2 * d * h] + [nq * d // tp, 2 * d] * c.use_qkv_bias
+        dense = [nq * d * h // tp, kv * d * h] + [nq * d // tp, kv * d] * c.use_qkv_bias
     else:
-        qkv = (nq + 2 * nkv) * d
+        qkv = (nq + kv * nkv) * d
         dense = [qkv * h // tp] + [qkv // tp] * c.use_qkv_bias
     dense += [nq * d * h // tp] + [h] * c.add_bias
     dense += {None: [], "head": [d, d], "full": [nq * d // tp, nkv * d // tp]}[c.qk_norm]
@@ -289,13 +301,14 @@ def block_activation_bytes(c, i: int, tp: int, sp: bool, dtype: str, tokens: int
     a = the activation dtype's bytes.
     """
     a = DTYPE_BYTES[dtype]
-    h, d, nq, nkv, g = _dims(c, tp, sp)
+    shapes, kv = layer_shapes(c, i)
+    h, d, nq, nkv, g = _dims(shapes, tp, sp)
     if c.normalization == "layernorm":
         norm = (a * h + 2 * 4) * g
     else:
         norm = ((4 if a == 4 else 4 + a) * h + a * h + 4) * g
     attn = a * h * (1 if sp else g)  # QKV input (gathered under SP)
-    attn += a * (nq + 2 * nkv) * d
+    attn += a * (nq + kv * nkv) * d
     if c.position_embedding_type == "rope":
         attn += a * (nq + nkv) * d
     if c.qk_norm is not None:
@@ -397,9 +410,10 @@ def block_flops(c, i: int, seq: int) -> tuple[float, float]:
     """Forward ``(GEMM, attention core)`` FLOPs per token of block i, as ``zoo.training.metrics`` counts them
     (causal attention counted in full: s keys per query, min(s, W) with a window); the attention kernel executes
     ``attended_keys`` per query of them."""
+    c, kv = layer_shapes(c, i)
     h, d, nq, nkv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
     k = 3 if c.gated_mlp else 2
-    gemm = 2 * h * (nq + 2 * nkv) * d + 2 * nq * d * h
+    gemm = 2 * h * (nq + kv * nkv) * d + 2 * nq * d * h
     if c.is_moe_layer(i):
         gemm += 2 * h * c.num_experts + 2 * h * k * (c.num_experts_per_tok * c.expert_intermediate_size
                                                      + c.shared_intermediate_size) + 2 * h * c.shared_expert_gate
@@ -421,7 +435,7 @@ def elementwise_bytes(c, i: int, tp: int, sp: bool, dtype: str) -> float:
     """HBM traffic per token of block i's forward outside GEMMs and attention: the norms (read + write; four with
     sandwich norms), the two residual adds (2 reads + 1 write), the activation function, RoPE of q and k."""
     a = DTYPE_BYTES[dtype]
-    h, d, nq, nkv, g = _dims(c, tp, sp)
+    h, d, nq, nkv, g = _dims(layer_shapes(c, i)[0], tp, sp)
     f = (c.num_experts_per_tok * c.expert_intermediate_size + c.shared_intermediate_size) / tp \
         if c.is_moe_layer(i) else c.intermediate_size / tp
     act = 3 * f if c.gated_mlp else 2 * f
@@ -439,6 +453,7 @@ def _block_cost(c, i: int, lay: Layout, job: Job, gpu: GPU) -> tuple:
     once more by selective recomputation, elementwise HBM bytes per pass, extra bytes of that recomputation,
     TP communication seconds of all passes, EP communication seconds of all passes)."""
     s, a, rc = job.seq_length, DTYPE_BYTES[job.dtype], 1 if lay.recompute == "full" else 0
+    c = layer_shapes(c, i)[0]  # block i's head dim and kv heads (block_flops and the others read them per layer too)
     tokens = lay.micro_batch * s // lay.cp  # this rank's share of the micro-batch (context parallelism)
     g, at = block_flops(c, i, s)  # as the metrics count them
     gemm, attn_extra, extra_bytes = g * tokens / lay.tp, 0.0, 0.0
