@@ -408,10 +408,11 @@ def capped_and_whole(pairs, tp, shares, **kwargs):
     return capped, whole, streamed, filled, on_disk
 
 
-def check_capped(result, pairs, shares, layers: int, vocab_modules: int = 2):
+def check_capped(result, pairs, shares, layers, vocab_modules=2):
     """A capped verify gives the uncapped one's number; accelerate placed the HF modules as the cap allows (all on
     disk at 1 byte, some on the CPU at 3/4 of the checkpoint), at 1 byte the HF embedding and head read their rows
-    from disk, and the zoo side filled one layer at a time (``layers`` fills per capped run)."""
+    from disk, and the zoo side filled one layer at a time (``layers`` fills per capped run; it and ``vocab_modules``
+    a number, or one per pair)."""
     capped, whole, streamed, filled, on_disk = result
     for (hf, _), reports, ref in zip(pairs, capped, whole):
         assert ref.max_abs_diff < TOL and ref.hf_device_map is None
@@ -419,8 +420,10 @@ def check_capped(result, pairs, shares, layers: int, vocab_modules: int = 2):
             assert report.max_abs_diff == pytest.approx(ref.max_abs_diff, abs=1e-6), (hf, share)
             devices = set(report.hf_device_map.values())
             assert devices == ({"disk"} if share == 0 else {"cpu", "disk"}), (hf, share, report.hf_device_map)
-    assert on_disk[::len(shares)] == [vocab_modules] * len(pairs), on_disk
-    assert len(streamed) == len(pairs) * len(shares) * layers and len(filled) == len(pairs)
+    vocab_modules = [vocab_modules] * len(pairs) if isinstance(vocab_modules, int) else vocab_modules
+    assert on_disk[::len(shares)] == vocab_modules, on_disk
+    layers = [layers] * len(pairs) if isinstance(layers, int) else layers
+    assert len(streamed) == len(shares) * sum(layers) and len(filled) == len(pairs)
     assert max(streamed) < min(filled) / 2, "the zoo side held one layer at a time, never the model"
 
 
@@ -428,13 +431,16 @@ def test_verify_with_a_memory_cap_streams_both_sides(hf_dirs, zoo_dirs, dist_run
     """--max-memory at tp=2: the zoo side one layer at a time, transformers through accelerate's device_map with
     disk offload; the same max |logit diff| as the uncapped verify."""
     # GPT-2: learned positions, its tied head read from the embedding's table; Llama: RoPE, an untied head; Qwen2
-    # with one kv head: each block's replicated k/v rows read by both ranks.
-    pairs = [(str(hf_dirs[name]), str(zoo_dirs[name])) for name in ("gpt2", "llama-untied", "qwen2-tied")]
+    # with one kv head: each block's replicated k/v rows read by both ranks; Granite: the streamed head's logits
+    # divided by logits_scaling; Gemma 4: soft-capped, its blocks' shapes per layer type.
+    names = ("gpt2", "llama-untied", "qwen2-tied", "granite", "gemma4-1kv")
+    pairs = [(str(hf_dirs[name]), str(zoo_dirs[name])) for name in names]
     shares = [0, 0.75]
     result = dist_run(2, capped_and_whole, pairs, 2, shares)[0]
     # Filled per run: the embedding's other tensors (GPT-2's position table; its token table: only the batch's
-    # rows), 2 blocks, the final norm; the head reads its rows as it computes.
-    check_capped(result, pairs, shares, layers=1 + 2 + 1)
+    # rows), the blocks (2; Gemma 4's 4), the final norm; the head reads its rows as it computes.
+    # Gemma 4's tied head is its embedding module (one vocabulary-sized module on disk; GPT-2 names it twice).
+    check_capped(result, pairs, shares, layers=[1 + 2 + 1] * 4 + [1 + 4 + 1], vocab_modules=[2] * 4 + [1])
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the peak RSS from /proc (Linux)")

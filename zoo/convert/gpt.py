@@ -46,7 +46,7 @@ from zoo.convert.writer import (
     special_ids,
     write_generation_config,
 )
-from zoo.models.gpt import FAMILY, GPTConfig, GPTLoss, ParallelOptions, layer_specs
+from zoo.models.gpt import FAMILY, GPTConfig, GPTLoss, ParallelOptions, layer_specs, softcap_logits
 from zoo.parallel.shards import gather_objects
 from zoo.parallel.topology import initialize_model_parallel
 
@@ -345,6 +345,7 @@ def zoo_logits(zoo, cfg: GPTConfig, tp: int, pp: int, ids: torch.Tensor, ep: int
         out = verify.streamed_forward(specs, zoo, out, grid.tp_group, ep_group, device, on_layer=record,
                                       layers=range(1, len(specs) - 1))
         out = verify.streamed_vocab_linear(specs, len(specs) - 1, zoo, out, grid.tp_group, device)
+        out = softcap_logits(out, cfg)  # what the head does after its GEMM: logits_scaling, the final soft-cap
     else:
         module = build_pipeline(specs, grid, loss_fn=GPTLoss(cfg, grid.tp_group)) if pp > 1 else SpecSequential(specs)
         io.load_model(zoo, module, grid.tp_group, ep_group)  # this rank's slices, this EP rank's experts
