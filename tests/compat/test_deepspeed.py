@@ -216,6 +216,25 @@ def test_after_each_pipe_instruction():
     assert calls == [1, "after"] and "_INSTRUCTION_MAP" not in vars(engine)
 
 
+def test_skip_frozen_tied_weights():
+    from deepspeed.pipe import PipelineModule
+
+    piece = "deepspeed.skip_frozen_tied_weights"
+    reduce = source(PipelineModule.allreduce_tied_weight_gradients)
+    expect("self.tied_comms.items()" in reduce and "comm['weight_attr']" in reduce and "weight.grad" in reduce, LIB,
+           piece, "PipelineModule.allreduce_tied_weight_gradients no longer all-reduces weight.grad of every "
+           "tied_comms[key]['weight_attr']")
+    expect("'module': self.tied_modules[key]" in source(PipelineModule._index_tied_modules), LIB, piece,
+           "PipelineModule._index_tied_modules no longer records the tied module under tied_comms[key]['module']")
+    frozen, trained = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    frozen.weight.requires_grad_(False)
+    attrs = ["0.weight", "1.weight"]
+    module = types.SimpleNamespace(tied_comms={"embed": {"weight_attr": attrs, "module": torch.nn.Sequential(
+        frozen, trained)}}, _recursive_getattr=PipelineModule._recursive_getattr)
+    ds_compat.skip_frozen_tied_weights(module)
+    assert module.tied_comms["embed"]["weight_attr"] == ["1.weight"] and attrs == ["0.weight", "1.weight"]
+
+
 def test_checkpoint_function_watched():
     """DeepSpeed's activation checkpoint of a small function, in this process: the watch sees the inputs it keeps
     and the end of its backward, and the gradient is unchanged."""

@@ -113,6 +113,14 @@ def read_config(folder: str | os.PathLike) -> tuple[str, dict]:
     return meta["family"], meta["config"]
 
 
+def read_adapter(folder: str | os.PathLike) -> dict | None:
+    """The LoRA / DoRA settings of a zoo model folder whose tensors include adapters (``"lora"`` of its
+    config.json, beside ``"config"`` or inside it); None for a plain model."""
+    read_config(folder)  # the folder's own errors first
+    meta = json.loads((Path(folder) / CONFIG_NAME).read_text())
+    return meta.get("lora", (meta.get("config") or {}).get("lora"))
+
+
 def weight_map(folder: str | os.PathLike) -> dict[str, str]:
     """Tensor name -> safetensors file name (relative to the folder)."""
     folder = Path(folder)
@@ -263,8 +271,12 @@ def write_index(folder: Path, mapping: dict[str, str], total_bytes: int) -> None
     (folder / INDEX_FILE).write_text(json.dumps(index, indent=2))
 
 
-def write_config(folder: Path, family: str, config: dict) -> None:
+def write_config(folder: Path, family: str, config: dict, adapter: dict | None = None) -> None:
+    """``adapter``: the LoRA / DoRA settings of adapter tensors stored beside the weights (``zoo.models.lora``),
+    recorded as ``"lora"`` beside ``"config"``."""
     meta = {"zoo_format": FORMAT_VERSION, "family": family, "config": config}
+    if adapter is not None:
+        meta["lora"] = adapter
     (folder / CONFIG_NAME).write_text(json.dumps(meta, indent=2, sort_keys=False))
 
 
@@ -448,12 +460,13 @@ def full_param(param: torch.Tensor, tp_group, ep_group=None) -> torch.Tensor:
 def save_model(folder: str | os.PathLike, module: torch.nn.Module, grid, family: str, config: dict, *,
                tokenizer_dir=None, dtype: torch.dtype | None = None,
                max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-               extra_files: dict[str, str | bytes] | None = None) -> Path | None:
+               extra_files: dict[str, str | bytes] | None = None, adapter: dict | None = None) -> Path | None:
     """Write ``module`` (this rank's part of a model in any layout) as a layout-free folder. Collective: every rank
     of the grid calls it. Returns the folder on global rank 0, else None. A write that fails on any rank (a full
     disk, a size limit) raises ``OSError`` on every rank once the collectives are done, with the staging folder
     removed and a folder already at ``folder`` unchanged. ``extra_files`` as :func:`write_model_folder`'s
-    (written by global rank 0)."""
+    (written by global rank 0); ``adapter``: the settings of the module's LoRA / DoRA adapters
+    (:func:`write_config`)."""
     extra_files = dict(extra_files or {})
     for name in extra_files:
         _check_extra_name(name)
@@ -504,7 +517,7 @@ def save_model(folder: str | os.PathLike, module: torch.nn.Module, grid, family:
         try:
             merged = {k: v for m, _, _ in parts for k, v in m.items()}
             write_index(staging, merged, sum(b for _, b, _ in parts))
-            write_config(staging, family, config)
+            write_config(staging, family, config, adapter)
             copy_tokenizer(tokenizer_dir, staging)
             _write_extra_files(staging, extra_files)
             publish(staging, final)

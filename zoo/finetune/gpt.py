@@ -25,7 +25,7 @@ from zoo.data.instruct import InstructData, InstructError, load_instruct_data
 from zoo.finetune.common import add_finetune_flags, run_config
 from zoo.models.gpt import FAMILY
 from zoo.package import config_file
-from zoo.training.config import ConfigError, RunConfig, validate
+from zoo.training.config import ConfigError, RunConfig, lora_config, validate
 from zoo.training.run import RunParser, command, layout_line, loss_change, process_group, say, start_run, train_and_save
 from zoo.training.train import resume_plan
 from zoo.training.trainer import Trainer
@@ -83,9 +83,10 @@ def load_data(cfg: RunConfig) -> InstructData:
                               valid_fraction=data.valid_fraction)
 
 
-def export_hf(cfg: RunConfig, model_dir: Path, tokenizer) -> Path:
+def export_hf(cfg: RunConfig, model_dir: Path, tokenizer, lora=None) -> Path:
     """``<out>/hf`` from ``<out>/model``. The special ids and generation defaults come from the init model's
-    generation_config.json (kept beside ``<out>/model`` too), else from the tokenizer."""
+    generation_config.json (kept beside ``<out>/model`` too), else from the tokenizer. A LoRA run's ``model/``
+    holds base and adapters: ``hf/`` is the merged model (``zoo.models.lora.merge_folder``, W + s B A)."""
     from zoo.convert.gpt import zoo_to_hf
 
     for folder in (Path(cfg.training.init_from), Path(cfg.out) / "init-model"):  # a zoo or HF folder; HF's import
@@ -97,17 +98,42 @@ def export_hf(cfg: RunConfig, model_dir: Path, tokenizer) -> Path:
 
         GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id).save_pretrained(model_dir)
-    return zoo_to_hf(model_dir, Path(cfg.out) / "hf")
+    if lora is None:
+        return zoo_to_hf(model_dir, Path(cfg.out) / "hf")
+    merged = merge_adapter_folder(model_dir, Path(cfg.out) / "merged-model")
+    try:
+        return zoo_to_hf(merged, Path(cfg.out) / "hf")
+    finally:
+        shutil.rmtree(merged, ignore_errors=True)
+
+
+def merge_adapter_folder(src: Path, out: Path) -> Path:
+    """The zoo folder ``src`` (base + adapters) as a plain zoo folder ``out``: every adapted weight merged
+    (``zoo.models.lora.merged``), tensor by tensor; tokenizer and generation config copied."""
+    from zoo.convert import io
+    from zoo.models.lora import LoraConfig, merged_tensors
+
+    family, config = io.read_config(src)
+    lora = LoraConfig.from_dict(io.read_adapter(src))
+    mapping = io.weight_map(src)
+    extra = {GENERATION_CONFIG: (src / GENERATION_CONFIG).read_text()} if (src / GENERATION_CONFIG).is_file() else {}
+    tensors = merged_tensors(mapping, lambda k: io.read_tensors(src / mapping[k], [k])[k], lora)
+    return io.write_model_folder(out, family, config, tensors, tokenizer_dir=src, extra_files=extra)
 
 
 def sample_completion(model_dir: Path, tokenizer, prompt_ids: list[int], max_new_tokens: int = 48) -> str:
     """Greedy completion of ``prompt_ids`` by the exported model, read back from disk, in this process alone."""
-    from zoo.convert.io import load_model, read_config
+    from zoo.convert.io import load_model, read_adapter, read_config
     from zoo.models.generate import Generator, SamplingOptions
     from zoo.models.gpt import GPTConfig, ParallelOptions, layer_specs
+    from zoo.models.lora import LoraConfig, apply_lora
     from zoo.models.specs import SpecSequential
 
-    model = SpecSequential(layer_specs(GPTConfig.from_dict(read_config(model_dir)[1]), ParallelOptions()))
+    config = {k: v for k, v in read_config(model_dir)[1].items() if k != "lora"}
+    model = SpecSequential(layer_specs(GPTConfig.from_dict(config), ParallelOptions()))
+    adapter = read_adapter(model_dir)
+    if adapter is not None:  # a LoRA run's model: base and adapters, applied unmerged
+        apply_lora(model, LoraConfig.from_dict(adapter))
     load_model(model_dir, model)
     out = Generator(model.eval()).generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
                                            sampling=SamplingOptions(greedy=True),
@@ -138,7 +164,11 @@ def run(args, cfg: RunConfig, model_cfg, resume, universal: bool, data: Instruct
             f"warning: {data.truncated} example(s) longer than training.seq_length + 1 = {tr.seq_length + 1} tokens "
             f"were truncated ({data.emptied} of them lost every response token and train nothing); raise "
             f"training.seq_length to keep them whole")
-        start_run(cfg, grid, f"zoo fine-tune of {tr.init_from}: {model_cfg.num_parameters() / 1e6:.2f}M parameters | "
+        lora = lora_config(cfg)
+        adapters = "" if lora is None else (f" ({'DoRA' if lora.dora else 'LoRA'} r={lora.r} on "
+                                            f"{', '.join(lora.targets)}; the base frozen)")
+        start_run(cfg, grid, f"zoo fine-tune of {tr.init_from}: {model_cfg.num_parameters() / 1e6:.2f}M parameters"
+                             f"{adapters} | "
                              f"{layout_line(cfg, grid)} | global batch "
                              f"{cfg.global_batch_size} x {tr.seq_length} tokens | {tr.precision} | {data.summary()}",
                   warning)
@@ -151,8 +181,10 @@ def run(args, cfg: RunConfig, model_cfg, resume, universal: bool, data: Instruct
         return 0
     tokenizer = load_tokenizer(out / "model")
     try:
-        hf = export_hf(cfg, out / "model", tokenizer)
+        hf = export_hf(cfg, out / "model", tokenizer, lora)
         where = f"HF model {hf} (AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load it)"
+        if lora is not None:
+            where += ", the adapters merged in"
     except ConvertError as e:  # a zoo GPT variant that no transformers architecture describes
         where = f"no HF export ({e})"
     say(f"done: zoo model {out / 'model'} | {where} | metrics {out / 'metrics.jsonl'} | loss plot {out / 'loss.png'}")

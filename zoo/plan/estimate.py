@@ -30,6 +30,8 @@ class Job:
     fused_cross_entropy: bool = False  # training.fused_cross_entropy (every layout)
     # training.ema_decay > 0: an fp32 average of what the rank holds of the weights (zoo.training.ema)
     ema: bool = False
+    # finetune.lora (a zoo.models.lora.LoraConfig): the base frozen (parameters only), the adapters train
+    lora: object = None
 
 
 @dataclass(frozen=True)
@@ -559,21 +561,37 @@ def _stage_memory(job: Job, lay: Layout, gpu: GPU, z: _Sizes, stage: Stage) -> d
     c, pipe = job.config, lay.pp > 1
     dense = state_bytes(stage.dense, z.parts, lay.zero, job.dtype, job.optimizer, z.m, stage.persistent, pipe)
     expert = state_bytes(stage.expert, z.expert_parts, lay.zero, job.dtype, job.optimizer, z.m, 0, pipe)
+    if job.lora is not None:  # a frozen base holds its parameters alone; the adapters' state is priced as any
+        ad, ae = _adapter_tensors(job, lay, stage)
+        small = sum(n for n in ad if n <= ZERO3_PERSISTENCE)
+        a = state_bytes(sum(ad), z.parts, lay.zero, job.dtype, job.optimizer, z.m, small, pipe)
+        e = state_bytes(sum(ae), z.expert_parts, lay.zero, job.dtype, job.optimizer, z.m, 0, pipe)
+        dense = (dense[0] + a[0], a[1], a[2])
+        expert = (expert[0] + e[0], e[1], e[2])
     act = activation_bytes(c, stage, lay, job.dtype, job.seq_length // lay.cp, z.m, job.attention == "unfused",
                            gpu.checkpoint_state_bytes)
     # the weight average: fp32, what the rank holds of every tensor (zoo.training.ema; ZeRO-3: its partition of
     # each, persistent ones too); with the optimizer state, which it sits beside and is streamed with every step
     ema = 4 * (stage.dense / (z.parts if lay.zero == 3 else 1) + stage.expert) if job.ema else 0
     return {"params": dense[0] + expert[0], "grads": dense[1] + expert[1], "optimizer": dense[2] + expert[2] + ema,
-            "activations": act, "buffers": _buffer_bytes(c, lay, gpu, z, stage), "reserved": gpu.reserved_gb * GiB}
+            "activations": act, "buffers": _buffer_bytes(job, lay, gpu, z, stage), "reserved": gpu.reserved_gb * GiB}
 
 
-def _buffer_bytes(c, lay: Layout, gpu: GPU, z: _Sizes, stage: Stage) -> float:
+def _adapter_tensors(job: Job, lay: Layout, stage: Stage) -> tuple[list, list]:
+    """The adapter tensors (element counts, dense and expert) one rank of ``stage`` holds."""
+    from zoo.models.lora import adapter_tensors
+
+    return adapter_tensors(job.lora, job.config, stage.blocks, stage.last and not job.config.tie_word_embeddings,
+                           lay.tp, lay.ep)
+
+
+def _buffer_bytes(job: Job, lay: Layout, gpu: GPU, z: _Sizes, stage: Stage) -> float:
     """The stage's buffers beside its state and activations: ZeRO's, the pipeline's and the loss's."""
-    buffers = 0.0
+    c, buffers = job.config, 0.0
     if lay.zero >= 1:  # ZeRO's reduction bucket (two with a pipeline), in the gradients' dtype, as zoo sizes it
         held = 2 if lay.pp > 1 and lay.zero < 3 else 1
-        buffers += reduce_bucket_elements(stage.dense + stage.expert) * z.a * held
+        trained = stage.dense + stage.expert if job.lora is None else sum(map(sum, _adapter_tensors(job, lay, stage)))
+        buffers += reduce_bucket_elements(trained) * z.a * held
     if lay.zero == 3:  # a gathered block and the prefetched next one
         one_of_each = {c.is_moe_layer(i): i for i in stage.blocks}.values()
         buffers += 2 * max((sum(block_params(c, i, lay.tp, lay.ep)) for i in one_of_each), default=0) * z.a

@@ -1,6 +1,6 @@
 """Run configuration: YAML -> dataclasses, command-line overrides, validation, and the DeepSpeed JSON.
 
-A run config has four sections (see ``configs/gpt/tiny.yaml``)::
+A run config has five sections (see ``configs/gpt/tiny.yaml``)::
 
     model:     {family: a name of zoo.models.registry (gpt, bert, ...), preset: tiny,
                 <any field of the family's config>: value}
@@ -9,6 +9,7 @@ A run config has four sections (see ``configs/gpt/tiny.yaml``)::
                 lr, min_lr, warmup_steps, weight_decay, adam_beta1, adam_beta2, adam_eps, grad_clip, precision,
                 loggers: [tensorboard, wandb], wandb_project, wandb_name, wandb_tags}
     data:      {source: synthetic}
+    finetune:  {lora: {r, alpha, dropout, targets, dora, rslora}}    (optional: adapters, zoo.models.lora)
 
 Everything is checked by :func:`validate` before any process group exists; each problem is one line naming the
 numbers and the fix. The DeepSpeed config is generated from the run config (:func:`deepspeed_config`), never kept
@@ -133,11 +134,19 @@ class DataSection:
 
 
 @dataclass
+class FinetuneSection:
+    # LoRA / DoRA adapters (zoo.models.lora.LoraConfig: r, alpha, dropout, targets, dora, rslora): the base weights
+    # (training.init_from) frozen, only the adapters train; null: every weight trains
+    lora: dict | None = None
+
+
+@dataclass
 class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     training: TrainingSection = field(default_factory=TrainingSection)
     data: DataSection = field(default_factory=DataSection)
+    finetune: FinetuneSection = field(default_factory=FinetuneSection)
     out: str = "runs/gpt"
 
     # Filled by validate(): the derived numbers every rank agrees on.
@@ -151,7 +160,8 @@ class RunConfig:
         return d
 
 
-_SECTIONS = {"model": ModelSection, "parallel": ParallelSection, "training": TrainingSection, "data": DataSection}
+_SECTIONS = {"model": ModelSection, "parallel": ParallelSection, "training": TrainingSection, "data": DataSection,
+             "finetune": FinetuneSection}
 
 
 def _coerce(value: str) -> Any:
@@ -182,10 +192,12 @@ def _typed(section: str, f: dataclasses.Field, value: Any) -> Any:
                 return [value]  # --set data.paths=data/corpus: one prefix
             if isinstance(value, list):
                 return value
+        if kind == "dict" and isinstance(value, dict):
+            return value
     except ValueError:
         pass
     else:
-        if kind not in ("float", "int", "bool", "str", "list"):
+        if kind not in ("float", "int", "bool", "str", "list", "dict"):
             return value
     raise ConfigError(f"{section}.{f.name} must be {'an' if kind == 'int' else 'a'} {kind}, got {value!r}")
 
@@ -226,9 +238,15 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         if len(parts) == 1 and parts[0] == "out":
             raw["out"] = value
             continue
+        if len(parts) == 3 and parts[:2] == ["finetune", "lora"]:  # --set finetune.lora.r=16
+            section = dict(raw.get("finetune") or {})
+            lora = section.get("lora")
+            section["lora"] = {**(lora if isinstance(lora, dict) else {}), parts[2]: _coerce(value)}
+            raw["finetune"] = section
+            continue
         if len(parts) != 2 or parts[0] not in _SECTIONS:
             raise ConfigError(f"--set key {key!r} must be <section>.<key> with section in {sorted(_SECTIONS)}, "
-                              "or 'out'")
+                              "finetune.lora.<key>, or 'out'")
         raw.setdefault(parts[0], {})
         raw[parts[0]] = dict(raw[parts[0]] or {})
         raw[parts[0]][parts[1]] = _coerce(value)
@@ -326,8 +344,60 @@ def validate(cfg: RunConfig, world_size: int, *, fp16_supported: bool | None = N
     _validate_training_numbers(cfg.training)
     _fill_batch(cfg)
     _validate_training_options(cfg, fp16_supported, bf16_supported)
+    _validate_finetune(cfg, model)
     validate_data(cfg, model)
     return model
+
+
+def lora_config(cfg: RunConfig):
+    """The run's adapters (``finetune.lora``, a ``zoo.models.lora.LoraConfig``), or None: every weight trains."""
+    if cfg.finetune.lora is None:
+        return None
+    from zoo.models.lora import LoraConfig
+
+    try:
+        return LoraConfig.from_dict(cfg.finetune.lora)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"finetune.{e}") from None
+
+
+def _validate_finetune(cfg: RunConfig, model) -> None:
+    """``finetune.lora``: its fields, the family, the targets against the model and the training options, and an
+    ``init_from`` folder that holds adapters of its own."""
+    from zoo.training.families import families_with, has_feature
+
+    lora = lora_config(cfg)
+    src = cfg.training.init_from
+    held = None
+    if src is not None:
+        from zoo.convert import io
+
+        held = io.read_adapter(src) if io.is_model_folder(src) else None
+    if lora is None:
+        if held is not None:
+            raise ConfigError(f"training.init_from {src} holds LoRA adapters (r {held.get('r')}); set finetune.lora "
+                              f"to go on training them (--set finetune.lora.r={held.get('r')}), or merge them first "
+                              f"(launch/convert.py merge-adapter)")
+        return
+    if not has_feature(cfg.model.family, "lora"):
+        raise ConfigError(f"finetune.lora is for the {families_with('lora')} family, not {cfg.model.family!r}; "
+                          f"remove it")
+    from zoo.models.lora import check_model
+
+    try:
+        check_model(lora, model)
+    except ValueError as e:
+        raise ConfigError(f"finetune.{e}") from None
+    if "lm_head" in lora.targets and cfg.training.fused_cross_entropy:
+        raise ConfigError("finetune.lora.targets 'lm_head' does not work with training.fused_cross_entropy (the loss "
+                          "reads the head's weight itself); remove 'lm_head' or set training.fused_cross_entropy: "
+                          "false")
+    if held is not None:
+        mine = {k: getattr(lora, k) for k in ("r", "targets", "dora")}
+        theirs = {k: held.get(k) for k in mine}
+        if mine != theirs:
+            raise ConfigError(f"training.init_from {src} holds adapters {theirs}, finetune.lora asks for {mine}; set "
+                              f"finetune.lora to the folder's to go on training them")
 
 
 def _model_config(cfg: RunConfig):

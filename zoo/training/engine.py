@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from zoo.training.config import RunConfig, deepspeed_config
+from zoo.training.config import RunConfig, deepspeed_config, lora_config
 from zoo.training.families import get_family
 
 
@@ -25,7 +25,8 @@ def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
     for p in module.parameters():
         if p.requires_grad:
             (decay if p.dim() > 1 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]  # LoRA trains matrices alone (DoRA adds its magnitude vectors)
 
 
 def lr_factor(step: int, *, steps: int, warmup_steps: int, min_ratio: float) -> float:
@@ -115,7 +116,28 @@ def build_module(cfg: RunConfig, model_cfg, grid, par, loss_fn, init_dir: Path |
         from zoo.convert.io import load_model
 
         load_model(init_dir, module, grid.tp_group, par.ep_group)  # EP: its own experts
+    lora = lora_config(cfg)
+    if lora is not None:  # the base frozen, adapters added (and read back from a folder that holds them)
+        add_adapters(module, family, lora, tr.seed, init_dir, grid, par)
     return module
+
+
+def add_adapters(module, family, lora, seed: int, init_dir: Path | None, grid, par) -> None:
+    """``finetune.lora``'s adapters on the built ``module`` (its base weights loaded, now frozen); where ``init_dir``
+    holds adapters (a LoRA run's exported model, validated to match), they are read into this rank's shards. At
+    pp > 1 the tied embedding, frozen, leaves DeepSpeed's tied-gradient reduction."""
+    from zoo.models.lora import adapter_parameters
+
+    family.add_adapters(module, lora, seed)
+    if init_dir is not None:
+        from zoo.convert import io
+
+        if io.read_adapter(init_dir) is not None:
+            io.load_tensors(init_dir, adapter_parameters(module), grid.tp_group, par.ep_group)
+    if grid.pp > 1:
+        from zoo.compat.deepspeed import skip_frozen_tied_weights
+
+        skip_frozen_tied_weights(module)
 
 
 def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False, init_dir: Path | None = None):
@@ -138,7 +160,8 @@ def build_engine(cfg: RunConfig, model_cfg, grid, universal: bool = False, init_
     # Dropout streams, independent of how many layers this rank built; per CP rank too (other tokens).
     model_parallel_seed(tr.seed, grid.tp_rank, grid.cp_rank)
     schedule = partial(lr_factor, steps=tr.steps, warmup_steps=tr.warmup_steps, min_ratio=tr.min_lr / tr.lr)
-    ds_config = deepspeed_config(cfg, rank_parameters=sum(p.numel() for p in module.parameters()))
+    # the reduction bucket holds gradients: only what trains (LoRA: the adapters) counts
+    ds_config = deepspeed_config(cfg, rank_parameters=sum(p.numel() for p in module.parameters() if p.requires_grad))
     if universal:  # resuming a checkpoint saved in another layout (zoo.training.checkpoint)
         ds_config["checkpoint"] = {"load_universal": True}
     groups = param_groups(module, tr.weight_decay)

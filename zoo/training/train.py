@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from zoo.package import config_file
-from zoo.training.config import ConfigError, RunConfig, load, validate
+from zoo.training.config import ConfigError, RunConfig, load, lora_config, validate
 from zoo.training.families import get_family
 from zoo.training.run import (
     RunParser,
@@ -89,6 +89,10 @@ def resume_plan(cfg: RunConfig, model_cfg, args):
     if diff:
         raise ConfigError(f"checkpoint {found.root / found.tag} holds a different model (checkpoint vs this run: "
                           f"{'; '.join(diff[:4])}); use the model config it was trained with, or another --out")
+    lora = lora_config(cfg)
+    if meta.get("lora") != (None if lora is None else lora.to_dict()):
+        raise ConfigError(f"checkpoint {found.root / found.tag} trained adapters {meta.get('lora')}, this run's "
+                          f"finetune.lora is {cfg.finetune.lora}; set finetune.lora as it was, or another --out")
     if meta["global_batch_size"] != cfg.global_batch_size or meta["seq_length"] != cfg.training.seq_length:
         raise ConfigError(f"checkpoint {found.root / found.tag} was trained with global batch "
                           f"{meta['global_batch_size']} x {meta['seq_length']} tokens, this run uses "
@@ -106,6 +110,11 @@ def resume_plan(cfg: RunConfig, model_cfg, args):
                           f"dp={old['dp']} ZeRO-{old['zero_stage']}; resuming at tp={par.tp} pp={par.pp} "
                           f"dp={cfg.dp} ZeRO-{par.zero_stage} goes through DeepSpeed's universal checkpoint, which "
                           f"needs ZeRO >= 1 on both sides; resume in the saved layout, or train with --zero 1")
+    if universal and lora is not None:
+        raise ConfigError(f"checkpoint {found.root / found.tag} was saved at tp={old['tp']} pp={old['pp']} "
+                          f"dp={old['dp']} ZeRO-{old['zero_stage']}; a LoRA run resumes in the layout it saved (the "
+                          f"universal checkpoint has no patterns for adapters yet); resume there, or start from its "
+                          f"exported model folder with --init (base and adapters)")
     nkv = getattr(model_cfg, "num_key_value_heads", None)
     if universal and nkv and max(old["tp"], par.tp) > nkv:
         raise ConfigError(f"checkpoint {found.root / found.tag} was saved at tp={old['tp']} pp={old['pp']} "

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from zoo.data.batches import context_parallel_share, micro_batch, to_device
-from zoo.training.config import RunConfig
+from zoo.training.config import RunConfig, lora_config
 from zoo.training.engine import build_engine, compiled_graphs, destroy_engine, prepare_init
 from zoo.training.families import Data, get_family
 
@@ -382,6 +382,9 @@ class Trainer:
                            "zero_stage": cfg.parallel.zero_stage, "cp": grid.cp},
                 "global_batch_size": cfg.global_batch_size, "seq_length": tr.seq_length,
                 "model": model_cfg.to_dict(), "tokenizer": self.data.tokenizer_dir}
+        lora = lora_config(cfg)
+        if lora is not None:  # what trains: a resumed run must add the same adapters
+            meta["lora"] = lora.to_dict()
         client_state = {"iteration": step,
                         "universal_checkpoint_info": self.family.universal_checkpoint_info(model_cfg)}
         ema = self.ema
@@ -477,8 +480,10 @@ class Trainer:
 
         cfg, model_cfg = self.cfg, self.model_cfg
         with self.ema.swapped() if self.ema is not None else contextlib.nullcontext():
+            lora = lora_config(cfg)  # adapter tensors beside the base weights, their settings in config.json
             save_model(folder, self.engine.module, self.grid, cfg.model.family, model_cfg.to_dict(),
-                       tokenizer_dir=self.data.tokenizer_dir, extra_files=self.family.export_files(cfg, model_cfg))
+                       tokenizer_dir=self.data.tokenizer_dir, extra_files=self.family.export_files(cfg, model_cfg),
+                       adapter=None if lora is None else lora.to_dict())
 
     def close_engine(self) -> None:
         """Destroy the engine (DeepSpeed's hooks and buffers: tests train many engines in one process) and drop every

@@ -50,6 +50,7 @@ class Family:
     fused_cross_entropy = False  # whether training.fused_cross_entropy applies (an LM head over a vocabulary)
     diffusion_objective = False  # whether training.objective (ddpm or flow) chooses what it learns
     embedded_shapes = False  # whether its embedded data are drawn shapes (data.shapes_per_image, shape_radius, ...)
+    lora = False  # whether finetune.lora puts LoRA / DoRA adapters on its layers (add_adapters)
 
     def build_config(self, preset: str | None, overrides: dict):
         if preset is None:
@@ -87,6 +88,10 @@ class Family:
                               partition_method=par.partition_method,
                               activation_checkpointing=par.activation_checkpointing,
                               checkpointable_layers=self.checkpointable_layers)
+
+    def add_adapters(self, module, lora, seed: int) -> list[str]:
+        """Freeze ``module`` (a built model or pipeline stage) and put ``lora``'s adapters on it (``lora`` True)."""
+        raise NotImplementedError
 
     def validate(self, cfg, config) -> None:
         """Family-specific checks of the run config (sequence length, data, tokenizer); raise ValueError."""

@@ -32,6 +32,7 @@ class GPTFamily(Family):
     init_overridable = ("hidden_dropout", "attention_dropout")
     context_parallel = True
     fused_cross_entropy = True
+    lora = True
 
     @property
     def config_class(self):
@@ -76,6 +77,11 @@ class GPTFamily(Family):
 
         seq = cfg.training.seq_length
         return seq * training_flops_per_token(config, seq, cfg.parallel.activation_checkpointing)
+
+    def add_adapters(self, module, lora, seed):
+        from zoo.models.lora import apply_lora
+
+        return apply_lora(module, lora, seed=seed)
 
     def universal_checkpoint_info(self, config):
         from zoo.training.checkpoint import universal_checkpoint_info
