@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.convert.test_hf_gpt import hf_gpt2, hf_llama, hf_phi3, save_hf
+from tests.convert.test_hf_gpt import hf_gpt2, hf_llama, hf_neox, hf_phi3, save_hf
 from zoo.convert import io
 from zoo.convert.cli import main
 from zoo.convert.errors import ConvertError
@@ -53,8 +53,18 @@ def hf_qwen3_moe():
                                               num_experts=4, mlp_only_layers=[1], norm_topk_prob=True))
 
 
+def hf_qwen2_moe():
+    """Layer 0 dense, layer 1 sparse with the gated shared expert (their projections named as the experts')."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(**MOE, intermediate_size=64, moe_intermediate_size=24,
+                                              shared_expert_intermediate_size=40, num_experts=4,
+                                              decoder_sparse_step=2, norm_topk_prob=False))
+
+
 CASES = {"llama": lambda: hf_llama(heads=4, kv_heads=2), "qwen3": lambda: hf_llama(arch="qwen3", head_dim=24),
-         "phi3": hf_phi3, "gpt2": hf_gpt2, "mixtral": hf_mixtral, "qwen3-moe": hf_qwen3_moe}
+         "phi3": hf_phi3, "gpt2": hf_gpt2, "neox": hf_neox, "mixtral": hf_mixtral, "qwen3-moe": hf_qwen3_moe,
+         "qwen2-moe": hf_qwen2_moe}
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +150,9 @@ LORAS = [
     ("phi3", {"r": 2, "alpha": 4.0, "targets": ["qkv", "dense", "fc1", "fc2"]}),
     ("gpt2", {"r": 4, "alpha": 8.0, "targets": ["qkv", "dense", "fc1", "fc2"]}),
     ("gpt2", {"r": 2, "alpha": 2.0, "targets": ["qkv", "dense"], "dora": True}),
+    ("neox", {"r": 3, "alpha": 3.0, "targets": ["qkv", "dense", "fc1", "fc2"], "dora": True}),
     ("mixtral", {"r": 3, "alpha": 6.0, "targets": ["qkv", "dense", "experts"]}),
+    ("qwen2-moe", {"r": 2, "alpha": 4.0, "targets": ["qkv", "fc1", "fc2", "experts"]}),  # fused experts
     ("qwen3-moe", {"r": 2, "alpha": 3.0, "targets": ["qkv", "experts"]}),
 ]
 
@@ -251,6 +263,33 @@ def test_commands_and_refusals(bases, tmp_path, capsys):
         with_adapter(bases["mixtral"][1], tmp_path / "zoo-dora-moe", {"r": 2, "alpha": 2.0, "targets": ["experts"],
                                                                       "dora": True})
         zoo_to_peft(tmp_path / "zoo-dora-moe", tmp_path / "x")
+    with pytest.raises(ConvertError, match="rslora on MoE experts"):
+        with_adapter(bases["mixtral"][1], tmp_path / "zoo-rs-moe", {"r": 2, "alpha": 2.0, "targets": ["experts"],
+                                                                    "rslora": True})
+        zoo_to_peft(tmp_path / "zoo-rs-moe", tmp_path / "x")
     with pytest.raises(ConvertError, match="DoRA on the embedding"):
         with_adapter(zoo, tmp_path / "zoo-dora-emb", {"r": 2, "alpha": 2.0, "targets": ["embedding"], "dora": True})
         zoo_to_peft(tmp_path / "zoo-dora-emb", tmp_path / "x")
+
+
+@pytest.mark.parametrize("name,targets", [("gpt2", ["c_attn", "c_proj", "c_fc"]),
+                                          ("phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])])
+def test_an_adapter_peft_made_reads_into_zoo(name, targets, bases, tmp_path):
+    """An adapter made and saved by peft itself (random B, so it acts), on modules zoo holds one weight each of:
+    read into zoo's tensors, written back out by zoo, it gives peft's logits."""
+    from peft import LoraConfig, get_peft_model
+
+    hf, zoo = bases[name]
+    torch.manual_seed(0)
+    model = get_peft_model(hf_model(hf), LoraConfig(r=2, lora_alpha=3, target_modules=targets, use_dora=True,
+                                                    init_lora_weights=False))
+    model.save_pretrained(tmp_path / "made")
+    expected = logits(peft_model(hf, tmp_path / "made"), 300)
+    settings, tensors = read_adapter(tmp_path / "made", read_zoo_gpt(zoo, ""))
+    assert settings.dora and set(settings.targets) == {"qkv", "dense", "fc1", "fc2"}
+    base = dict(io.iter_tensors(zoo))
+    io.write_model_folder(tmp_path / "zoo", "gpt", read_zoo_gpt(zoo, "").to_dict(), {**base, **tensors}.items())
+    meta = json.loads((tmp_path / "zoo" / "config.json").read_text())
+    (tmp_path / "zoo" / "config.json").write_text(json.dumps({**meta, "lora": settings.to_dict()}))
+    again = zoo_to_peft(tmp_path / "zoo", tmp_path / "again")
+    assert (logits(peft_model(hf, again), 300) - expected).abs().max() < TOL * expected.abs().max()

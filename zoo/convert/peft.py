@@ -13,6 +13,8 @@ the row's ``to_hf`` (pure row movement: the fused QKV de-interleaved per key-val
 fused ``qkv_proj`` kept fused in HF's order, GPT-2's Conv1D transposed), so B and the magnitude go through the same
 ``to_hf`` unchanged and A, the input side, is shared by every HF projection the weight came from (written for each).
 GPT-2's Conv1D is written as PEFT expects it (``fan_in_fan_out``: B and A as for a Linear, the weight transposed).
+MoE experts ``[E, out, in]``: one adapter per expert, per expert under transformers 4's names where peft converts
+those on load (``PER_EXPERT_PEFT``), else as peft's fused-parameter adapters (``target_parameters``).
 The embedding (PEFT's ``lora_embedding_A`` [r, V], ``lora_embedding_B`` [h, r]) is zoo's ``W [V, h] + s B A`` with
 B = PEFT's A transposed and A = PEFT's B transposed.
 
@@ -179,6 +181,21 @@ def expert_of(key: str) -> int | None:
     return None if m is None else int(m.group(1))
 
 
+# The classes whose per-expert adapters (transformers 4's names) peft 0.21.2 converts on load into transformers 5's
+# fused experts; for the others (Qwen2-MoE: peft maps other classes to its pattern but not qwen2_moe itself) the
+# experts go out fused, as peft's own target_parameters adapters are saved.
+PER_EXPERT_PEFT = {"MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"}
+FUSED_PARAMS = ("gate_up_proj", "down_proj")
+FUSED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
+
+
+def fused_expert_module(hf_key: str) -> str:
+    """Where peft keeps the adapter of a fused expert parameter: its ParamWrappers nest on the experts module,
+    gate_up_proj's inside (``experts.base_layer``), down_proj's outside (``experts``)."""
+    module, param = hf_key.rsplit(".", 1)
+    return f"{module}.base_layer" if param == "gate_up_proj" else module
+
+
 def refuse_expert_variants(settings: LoraSettings, where: str) -> None:
     """What PEFT (0.21, transformers 5) cannot load on MoE experts, refused in one line."""
     if settings.dora:
@@ -221,6 +238,13 @@ def to_peft(rows: list[Row], settings: LoraSettings, tensors: dict[str, torch.Te
             out[f"{PEFT_PREFIX}{hf_module(key)}.lora_embedding_A"] = B.t().contiguous()  # [r, V]
             out[f"{PEFT_PREFIX}{hf_module(key)}.lora_embedding_B"] = A.t().contiguous()  # [h, r]
             modules.append(hf_module(key))
+            continue
+        if experts and len(row.hf) == 1:  # transformers 5's fused experts, targeted as parameters (ParamWrapper)
+            name = PEFT_PREFIX + fused_expert_module(row.hf[0])
+            E, out_rows, r = B.shape
+            out[f"{name}.lora_A.weight"] = A.reshape(E * r, A.shape[-1]).clone()  # [E r, in], expert-major
+            out[f"{name}.lora_B.weight"] = B.permute(1, 2, 0).reshape(out_rows, r * E).contiguous()  # [out, r E]
+            modules.append(row.hf[0])
             continue
         flags = _transposed(row, tuple(B.shape[:-1]))
         conv1d |= any(flags)
@@ -312,7 +336,6 @@ def zoo_to_peft(src, out, *, base: str | None = None, dtype: torch.dtype | None 
     unmerged PEFT folder ``out`` for the HF architecture zoo-to-hf exports the base as. ``base``: written as
     ``base_model_name_or_path`` (the HF folder or Hub id the base is loaded from)."""
     from zoo.convert.gpt import export_architecture, read_zoo_gpt
-    from zoo.convert.hf.moe import PER_EXPERT
     from zoo.convert.reader import zoo_weights
 
     src = Path(src)
@@ -322,7 +345,7 @@ def zoo_to_peft(src, out, *, base: str | None = None, dtype: torch.dtype | None 
         raise ConvertError(f"{src / 'config.json'} has no \"lora\" settings: the folder holds no LoRA adapter (export "
                            f"one from a LoRA run, finetune.lora)")
     arch = export_architecture(cfg)
-    rows = arch.rows(cfg, layout=PER_EXPERT)
+    rows = arch.rows(cfg, layout=peft_layout(arch))
     files, _ = zoo_weights(src)
     tensors = zoo_adapter_tensors(src, files)
     if not tensors:
@@ -330,6 +353,13 @@ def zoo_to_peft(src, out, *, base: str | None = None, dtype: torch.dtype | None 
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
     return write_peft_folder(out, *peft_contents(rows, settings, tensors, base, str(src)))
+
+
+def peft_layout(arch) -> str:
+    """The expert layout of the key table whose HF names a PEFT folder of ``arch`` uses (``PER_EXPERT_PEFT``)."""
+    from zoo.convert.hf.moe import FUSED, PER_EXPERT
+
+    return PER_EXPERT if arch.name in PER_EXPERT_PEFT or not arch.extra.get("moe") else FUSED
 
 
 def peft_contents(rows: list[Row], settings: LoraSettings, tensors: dict[str, torch.Tensor], base: str | None,
@@ -340,9 +370,18 @@ def peft_contents(rows: list[Row], settings: LoraSettings, tensors: dict[str, to
     those projections by their leaf names, so a dense module of the same leaf name (Qwen-MoE's dense layers, the
     shared expert) cannot be adapted beside them: refused."""
     peft_tensors, modules, conv1d = to_peft(rows, settings, tensors, where)
+    fused = [m for m in modules if FUSED_EXPERTS.search(m)]
     expert_modules = [m for m in modules if expert_of(m + ".") is not None]
-    targets = target_modules([m for m in modules if m not in expert_modules], rows)
+    targets = target_modules([m for m in modules if m not in expert_modules + fused], rows)
     dropout = settings.dropout
+    parameters = None
+    if fused:
+        params = {m.rsplit(".", 1)[-1] for m in fused}
+        if params != set(FUSED_PARAMS):
+            raise ConvertError(f"{where}: only {sorted(params)} of the experts have adapters; zoo's experts target "
+                               f"adapts both gate_up_proj and down_proj")
+        parameters = [f"mlp.experts.{p}" for p in FUSED_PARAMS]
+        dropout = 0.0  # peft's expert adapters refuse dropout; it only acts in training
     if expert_modules:
         leaves = {m.rsplit(".", 1)[1] for m in expert_modules}
         clash = sorted(m for m in modules if m not in expert_modules and m.rsplit(".", 1)[1] in leaves)
@@ -353,7 +392,9 @@ def peft_contents(rows: list[Row], settings: LoraSettings, tensors: dict[str, to
         targets = sorted(set(targets) | leaves)
         dropout = 0.0  # peft's expert adapters refuse dropout; it only acts in training
     settings = LoraSettings(settings.r, settings.alpha, dropout, settings.targets, settings.dora, settings.rslora)
-    return peft_tensors, peft_config(settings, targets, conv1d, base)
+    config = peft_config(settings, targets, conv1d, base)
+    config["target_parameters"] = parameters
+    return peft_tensors, config
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -414,6 +455,18 @@ def from_peft(rows: list[Row], config: dict, tensors: dict[str, torch.Tensor], w
             out[ka], out[kb] = pb.t().contiguous(), pa.t().contiguous()
             targets.append("embedding")
             continue
+        if len(row.hf) == 1 and FUSED_EXPERTS.search(row.hf[0]):  # fused experts (ParamWrapper)
+            name = PEFT_PREFIX + fused_expert_module(row.hf[0])
+            if f"{name}.lora_A.weight" not in tensors:
+                continue
+            refuse_expert_variants(settings, where)
+            pa, pb = tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"]
+            r, E = settings.r, pa.shape[0] // settings.r
+            out[ka] = pa.reshape(E, r, pa.shape[1]).clone()
+            out[kb] = pb.reshape(pb.shape[0], r, E).permute(2, 0, 1).contiguous()  # [E, out, r]
+            used.update((f"{name}.lora_A.weight", f"{name}.lora_B.weight"))
+            targets.append("experts")
+            continue
         present = [f"{n}.lora_A.weight" in tensors for n in names]
         if not any(present):
             continue
@@ -467,7 +520,6 @@ def read_adapter(adapter, cfg, arch=None) -> tuple[LoraSettings, dict[str, torch
     folder with adapter tensors. What ``launch/finetune.py --adapter DIR`` loads before training continues."""
     from zoo.convert import io
     from zoo.convert.gpt import export_architecture
-    from zoo.convert.hf.moe import PER_EXPERT
     from zoo.convert.reader import zoo_weights
     from zoo.convert.registry import ARCHITECTURES
 
@@ -480,7 +532,7 @@ def read_adapter(adapter, cfg, arch=None) -> tuple[LoraSettings, dict[str, torch
         return settings, zoo_adapter_tensors(adapter, files)
     config, tensors = read_peft_folder(adapter)
     arch = export_architecture(cfg) if arch is None else (ARCHITECTURES[arch] if isinstance(arch, str) else arch)
-    return from_peft(arch.rows(cfg, layout=PER_EXPERT), config, tensors, str(adapter))
+    return from_peft(arch.rows(cfg, layout=peft_layout(arch)), config, tensors, str(adapter))
 
 
 # ---------------------------------------------------------------------------------------------------------------
