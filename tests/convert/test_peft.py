@@ -25,6 +25,7 @@ from zoo.convert.gpt import export_architecture, hf_to_zoo, read_zoo_gpt, zoo_to
 from zoo.convert.peft import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
+    adapter_for_init,
     adapter_keys,
     merge_adapter,
     read_adapter,
@@ -62,9 +63,16 @@ def hf_qwen2_moe():
                                               decoder_sparse_step=2, norm_topk_prob=False))
 
 
+def hf_olmoe():
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    return OlmoeForCausalLM(OlmoeConfig(**MOE, intermediate_size=48, num_experts=4, norm_topk_prob=False,
+                                        pad_token_id=None))
+
+
 CASES = {"llama": lambda: hf_llama(heads=4, kv_heads=2), "qwen3": lambda: hf_llama(arch="qwen3", head_dim=24),
          "phi3": hf_phi3, "gpt2": hf_gpt2, "neox": hf_neox, "mixtral": hf_mixtral, "qwen3-moe": hf_qwen3_moe,
-         "qwen2-moe": hf_qwen2_moe}
+         "qwen2-moe": hf_qwen2_moe, "olmoe": hf_olmoe}
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +160,7 @@ LORAS = [
     ("gpt2", {"r": 2, "alpha": 2.0, "targets": ["qkv", "dense"], "dora": True}),
     ("neox", {"r": 3, "alpha": 3.0, "targets": ["qkv", "dense", "fc1", "fc2"], "dora": True}),
     ("mixtral", {"r": 3, "alpha": 6.0, "targets": ["qkv", "dense", "experts"]}),
+    ("olmoe", {"r": 2, "alpha": 2.0, "targets": ["dense", "experts"]}),
     ("qwen2-moe", {"r": 2, "alpha": 4.0, "targets": ["qkv", "fc1", "fc2", "experts"]}),  # fused experts
     ("qwen3-moe", {"r": 2, "alpha": 3.0, "targets": ["qkv", "experts"]}),
 ]
@@ -285,7 +294,7 @@ def test_an_adapter_peft_made_reads_into_zoo(name, targets, bases, tmp_path):
                                                     init_lora_weights=False))
     model.save_pretrained(tmp_path / "made")
     expected = logits(peft_model(hf, tmp_path / "made"), 300)
-    settings, tensors = read_adapter(tmp_path / "made", read_zoo_gpt(zoo, ""))
+    settings, tensors = adapter_for_init(tmp_path / "made", hf, read_zoo_gpt(zoo, ""))  # finetune --init HF
     assert settings.dora and set(settings.targets) == {"qkv", "dense", "fc1", "fc2"}
     base = dict(io.iter_tensors(zoo))
     io.write_model_folder(tmp_path / "zoo", "gpt", read_zoo_gpt(zoo, "").to_dict(), {**base, **tensors}.items())
