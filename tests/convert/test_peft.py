@@ -302,3 +302,22 @@ def test_an_adapter_peft_made_reads_into_zoo(name, targets, bases, tmp_path):
     (tmp_path / "zoo" / "config.json").write_text(json.dumps({**meta, "lora": settings.to_dict()}))
     again = zoo_to_peft(tmp_path / "zoo", tmp_path / "again")
     assert (logits(peft_model(hf, again), 300) - expected).abs().max() < TOL * expected.abs().max()
+
+
+OTHER_ARCHITECTURES = ["qwen2", "gemma2", "gemma3", "gemma4", "olmo2", "granite", "smollm3"]  # Mistral: Llama's table
+
+
+def test_every_other_dense_architecture(tmp_path):
+    """The dense classes not covered above (the test_hf_gpt models): a DoRA adapter on every target, exported, gives
+    in peft the logits of the merged weights."""
+    from tests.convert.test_hf_gpt import CASES as HF_CASES
+
+    lora = {"r": 2, "alpha": 4.0, "targets": ["qkv", "dense", "fc1", "fc2"], "dora": True}
+    for i, name in enumerate(OTHER_ARCHITECTURES):
+        hf = save_hf(HF_CASES[name](), tmp_path / f"hf-{name}", seed=i)
+        zoo = hf_to_zoo(hf, tmp_path / f"zoo-{name}")
+        adapter = with_adapter(zoo, tmp_path / f"lora-{name}", lora, seed=i)
+        exported = zoo_to_peft(tmp_path / f"lora-{name}", tmp_path / f"peft-{name}")
+        expected = logits(hf_model(merged_reference(zoo, adapter, lora, tmp_path / f"ref-{name}")), 300)
+        got = logits(peft_model(hf, exported), 300)
+        assert (got - expected).abs().max() < TOL * expected.abs().max(), name
