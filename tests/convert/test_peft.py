@@ -320,4 +320,5 @@ def test_every_other_dense_architecture(tmp_path):
         exported = zoo_to_peft(tmp_path / f"lora-{name}", tmp_path / f"peft-{name}")
         expected = logits(hf_model(merged_reference(zoo, adapter, lora, tmp_path / f"ref-{name}")), 300)
         got = logits(peft_model(hf, exported), 300)
-        assert (got - expected).abs().max() < TOL * expected.abs().max(), name
+        # 1e-4 (the issue's bound): Gemma 4's deeper stack of norms and scalars rounds differently, ~2e-5 here
+        assert (got - expected).abs().max() < 1e-4 * expected.abs().max(), name
