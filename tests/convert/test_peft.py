@@ -259,6 +259,14 @@ def test_commands_and_refusals(bases, tmp_path, capsys):
     def no_k(t):
         return {k: v for k, v in t.items() if ".k_proj." not in k}
 
+    def unprefixed(t):  # as transformers' own adapter API saves them
+        return {k.removeprefix("base_model.model."): v for k, v in t.items()}
+
+    rc, _, err = run_cli(capsys, "merge-adapter", "--base", hf, "--adapter", edited("e", tensors=unprefixed), "--out",
+                         tmp_path / "merged-e")
+    assert rc == 0, err
+    assert all(torch.equal(a, b) for a, b in zip(*(load_file(tmp_path / d / "model.safetensors").values()
+                                                   for d in ("merged", "merged-e"))))
     for folder, pattern in ((edited("a", tensors=other_k), "different lora_A"),
                             (edited("b", tensors=no_k), "have no adapter while the other projections"),
                             (edited("c", config={"rank_pattern": {"q_proj": 8}}), "rank_pattern"),

@@ -413,7 +413,10 @@ def read_peft_folder(folder) -> tuple[dict, dict[str, torch.Tensor]]:
     if not (folder / ADAPTER_WEIGHTS).is_file():
         raise ConvertError(f"{folder} has no {ADAPTER_WEIGHTS} (an adapter_model.bin is a pickle zoo does not load: "
                            f"re-save it with safetensors)")
-    return json.loads((folder / ADAPTER_CONFIG).read_text()), load_file(folder / ADAPTER_WEIGHTS)
+    tensors = load_file(folder / ADAPTER_WEIGHTS)
+    if not any(k.startswith(PEFT_PREFIX) for k in tensors):  # saved by transformers' own adapter API: no prefix
+        tensors = {PEFT_PREFIX + k: v for k, v in tensors.items()}
+    return json.loads((folder / ADAPTER_CONFIG).read_text()), tensors
 
 
 def settings_of_peft(config: dict, where: str) -> LoraSettings:
