@@ -6,7 +6,8 @@ tp2 + SP, cp2, ZeRO-2 and ZeRO-3, its DoRA form at tp2 + SP (the row-parallel no
 gradient over the sequence shards), GPT-2 (tied embeddings, frozen) at pp2 with recomputation, and the tiny Mixtral-
 like MoE with adapters on its experts at ep2. Losses and gradient norms agree to 1e-5 relative at every step, and so
 do the adapter gradients of the second step (after the first step's B is no longer zero, so A's gradient is too),
-gathered whole over TP / EP and ZeRO: all together to 1e-5, each tensor to 1e-4. The base weights get no gradient and no optimizer state.
+gathered whole over TP / EP and ZeRO: all together to 1e-5, each tensor to 1e-4. The base weights get no gradient
+and no optimizer state.
 """
 
 import json

@@ -8,6 +8,10 @@
     python launch/convert.py zoo-to-hf --src models/mixtral --out hf/mixtral [--fused-experts]
     torchrun --nproc_per_node 4 launch/convert.py verify --hf HF_MIXTRAL --zoo models/mixtral --tp 2 --ep 2
     python launch/convert.py hf-to-zoo --src DDPM_PIPELINE_FOLDER --out models/ddpm   # diffusers: its unet/
+    python launch/convert.py zoo-to-peft --src models/llama-lora --out hf/llama-lora-adapter [--base HF_BASE]
+    python launch/convert.py zoo-to-hf --src models/llama-lora --out hf/llama --adapter-out hf/llama-lora-adapter
+    python launch/convert.py merge-adapter --base HF_OR_ZOO_BASE --adapter PEFT_OR_ZOO_FOLDER --out hf/llama-merged
+    python launch/convert.py peft-to-zoo --base HF_OR_ZOO_BASE --adapter PEFT_FOLDER --out models/llama-lora
 
 hf-to-zoo picks the adapter by the architecture in config.json (``zoo.convert.registry.ARCHITECTURES``, one file
 each in ``zoo/convert/hf/``): GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and the
@@ -16,7 +20,10 @@ experts stored one tensor per expert or fused; zoo-to-hf writes one per expert u
 BertModel, BertForMaskedLM, BertForPreTraining, BertForSequenceClassification (families bert and bert-classifier);
 a diffusers folder (config.json with ``_class_name``, or a pipeline folder with the model in ``unet/``) by that
 class: UNet2DModel (family unet-diffusion). zoo-to-hf and verify pick the family's converter by the zoo folder's
-family (``zoo.convert.registry.FAMILIES``). verify compares logits (GPT; BERT's heads), for a BERT without head the
+family (``zoo.convert.registry.FAMILIES``). A zoo GPT folder holding a LoRA / DoRA adapter (``"lora"`` in config.json,
+``<weight>.lora_A`` / ``.lora_B`` tensors) goes out as an unmerged PEFT folder (zoo-to-peft, or zoo-to-hf's
+``--adapter-out`` beside the base), or merged into a full HF folder (merge-adapter, which also takes a PEFT folder and
+an HF base): ``zoo.convert.peft``. verify compares logits (GPT; BERT's heads), for a BERT without head the
 last hidden state, for a UNet2DModel the predicted noise.
 
 ``--src``/``--hf`` take a local HuggingFace folder (the network is never touched) or a Hub id, resolved through
@@ -86,6 +93,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mixture-of-experts models: write each layer's experts as two fused tensors "
                         "(mlp.experts.gate_up_proj [E, 2I, h], down_proj [E, h, I]; transformers 5's "
                         "save_original_format=False) instead of one tensor per expert (its default)")
+
+    p.add_argument("--adapter-out", default=None, metavar="DIR",
+                   help="a folder with a LoRA adapter: also write it, unmerged, as a PEFT adapter folder DIR")
+
+    p = sub.add_parser("zoo-to-peft", help="the LoRA / DoRA adapter of a zoo GPT folder -> unmerged PEFT folder")
+    p.add_argument("--src", required=True, help="zoo model folder with adapter tensors and \"lora\" in config.json")
+    p.add_argument("--out", required=True, help="PEFT adapter folder to write (replaced when complete)")
+    p.add_argument("--base", default=None, help="HF folder or Hub id of the base, written as base_model_name_or_path")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast the adapter (default: keep)")
+
+    p = sub.add_parser("peft-to-zoo", help="base + PEFT adapter folder -> zoo model folder with the adapter tensors")
+    p.add_argument("--base", required=True, help="zoo model folder, or HF model folder or Hub id")
+    p.add_argument("--adapter", required=True, help="PEFT adapter folder")
+    p.add_argument("--out", required=True, help="zoo model folder to write (replaced when complete)")
+    p.add_argument("--allow-pickle", action="store_true", help="an HF base with only pytorch_model.bin")
+
+    p = sub.add_parser("merge-adapter", help="base + LoRA / DoRA adapter -> full HF folder with the adapter merged")
+    p.add_argument("--base", required=True, help="HF model folder or Hub id, or zoo model folder")
+    p.add_argument("--adapter", required=True, help="PEFT adapter folder, or zoo model folder with adapter tensors")
+    p.add_argument("--out", required=True, help="HF model folder to write (replaced when complete)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast the weights (default: keep)")
+    p.add_argument("--allow-pickle", action="store_true", help="an HF base with only pytorch_model.bin")
 
     p = sub.add_parser("verify", help="compare zoo's outputs at (tp, pp, ep) with transformers' (or diffusers')")
     p.add_argument("--hf", required=True, help="HF model folder or Hub id")
@@ -179,8 +208,10 @@ def hf_to_zoo(src, out, *, dtype=None, allow_pickle: bool = False, max_shard_byt
                                            max_shard_bytes=max_shard_bytes)
 
 
-def zoo_to_hf(src, out, *, dtype=None, max_shard_bytes: int = io.DEFAULT_SHARD_BYTES, fused_experts: bool = False):
-    """The converter of the zoo folder's family exports it (``fused_experts``: MoE GPTs only)."""
+def zoo_to_hf(src, out, *, dtype=None, max_shard_bytes: int = io.DEFAULT_SHARD_BYTES, fused_experts: bool = False,
+              adapter_out=None):
+    """The converter of the zoo folder's family exports it (``fused_experts``: MoE GPTs only); ``adapter_out``: the
+    folder's LoRA adapter written there too, as a PEFT folder whose ``base_model_name_or_path`` is ``out``."""
     from zoo.convert.registry import FAMILIES, convertible
 
     family = io.read_config(src)[0]
@@ -190,7 +221,20 @@ def zoo_to_hf(src, out, *, dtype=None, max_shard_bytes: int = io.DEFAULT_SHARD_B
     if converter is None:
         raise ConvertError(f"{src} holds a {family!r} model; zoo-to-hf exports the families "
                            f"{', '.join(convertible())}")
-    return converter.export(src, out, dtype=dtype, max_shard_bytes=max_shard_bytes, fused_experts=fused_experts)
+    from zoo.convert.peft import read_settings
+
+    if adapter_out is not None and read_settings(src) is None:
+        raise ConvertError(f"{src} holds no LoRA adapter (no \"lora\" in config.json); leave out --adapter-out")
+    written = converter.export(src, out, dtype=dtype, max_shard_bytes=max_shard_bytes, fused_experts=fused_experts)
+    if adapter_out is not None:
+        from zoo.convert.peft import zoo_to_peft
+
+        print(f"wrote {zoo_to_peft(src, adapter_out, base=str(out), dtype=dtype)}")
+    elif read_settings(src) is not None:
+        logging.getLogger("zoo.convert").info(
+            "%s holds a LoRA adapter, not in this export (the base alone): add --adapter-out DIR for a PEFT folder, "
+            "or use merge-adapter for merged weights", src)
+    return written
 
 
 def main(argv=None) -> int:
@@ -203,7 +247,19 @@ def main(argv=None) -> int:
                             max_shard_bytes=args.max_shard_size)
         elif args.command == "zoo-to-hf":
             out = zoo_to_hf(args.src, args.out, dtype=dtype, max_shard_bytes=args.max_shard_size,
-                            fused_experts=args.fused_experts)
+                            fused_experts=args.fused_experts, adapter_out=args.adapter_out)
+        elif args.command == "zoo-to-peft":
+            from zoo.convert.peft import zoo_to_peft
+
+            out = zoo_to_peft(args.src, args.out, base=args.base, dtype=dtype)
+        elif args.command == "peft-to-zoo":
+            from zoo.convert.peft import write_adapter_folder
+
+            out = write_adapter_folder(args.base, args.adapter, args.out, allow_pickle=args.allow_pickle)
+        elif args.command == "merge-adapter":
+            from zoo.convert.peft import merge_adapter
+
+            out = merge_adapter(args.base, args.adapter, args.out, dtype=dtype, allow_pickle=args.allow_pickle)
         else:
             return _verify(args)
     except (ConvertError, io.CheckpointError) as e:

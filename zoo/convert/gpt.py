@@ -130,6 +130,7 @@ def read_zoo_gpt(folder, refusal: str) -> GPTConfig:
     family, meta = read_zoo_config(folder)
     if family != FAMILY:
         raise ConvertError(f"{folder} holds a {family!r} model; {refusal}")
+    meta = {k: v for k, v in meta.items() if k != "lora"}  # adapter settings, where a writer kept them inside
     try:
         return GPTConfig.from_dict(meta)
     except (TypeError, ValueError) as e:
