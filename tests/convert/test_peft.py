@@ -4,7 +4,8 @@ Random zoo adapter tensors (the contract's names, B non-zero) are added to tiny 
 Qwen3 with q/k norm, Phi-3's fused projections, GPT-2's Conv1D); the exported PEFT folder loaded by
 ``PeftModel.from_pretrained`` on the HF base must give the logits of the HF model whose weights are
 ``W + s B A`` (DoRA: ``m / ||W + s B A|| (W + s B A)``) computed here in zoo's layout and exported by zoo-to-hf.
-``merge-adapter`` must equal peft's ``merge_and_unload``; import(export(x)) is x bit for bit.
+``merge-adapter`` must equal peft's ``merge_and_unload`` bit for bit (GPT-2 with DoRA: to 1e-6); import(export(x))
+is x bit for bit.
 """
 
 from __future__ import annotations
@@ -198,8 +199,9 @@ def test_exported_adapter_loads_in_peft_as_the_merged_weights(case, bases, tmp_p
         out = merge_adapter(base, source, tmp_path / "merged")
         ours = hf_model(out).state_dict()
         assert sorted(ours) == sorted(merged)
-        for key, t in ours.items():
-            assert (t - merged[key]).abs().max() <= 1e-6, key
+        for key, t in ours.items():  # bit for bit, but for DoRA's norm over GPT-2's transposed Conv1D (~1e-7)
+            assert torch.equal(t, merged[key]) or (name == "gpt2" and lora.get("dora")
+                                                   and (t - merged[key]).abs().max() <= 1e-6), key
         assert (out / "tokenizer.json").is_file() and (out / GENERATION_CONFIG).is_file()
 
 

@@ -21,6 +21,11 @@ B = PEFT's A transposed and A = PEFT's B transposed.
 Import is the inverse. PEFT's adapters on q, k and v (or gate and up) with different A's have no zoo form (one A
 per zoo weight): refused in one line, as are ``rank_pattern`` / ``alpha_pattern``, LoRA biases and
 ``modules_to_save``.
+
+Entry points: :func:`zoo_to_peft` (``launch/convert.py zoo-to-peft``, ``zoo-to-hf --adapter-out``),
+:func:`read_adapter` / :func:`adapter_for_init` (a PEFT or zoo folder -> zoo's settings and whole adapter tensors, for
+``launch/finetune.py --init BASE --adapter DIR``), :func:`write_adapter_folder` (``peft-to-zoo``), :func:`merge_adapter`
+(``merge-adapter``: merged in zoo's layout with PEFT's order of operations, exported through the key table).
 Notation: r rank, h hidden, V vocabulary, E experts, I expert width.
 """
 
