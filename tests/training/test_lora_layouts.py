@@ -2,11 +2,13 @@
 
 Each run trains 3 steps from the same seed on the same global batch (the dense layouts' batch,
 tests/training/test_gpt_layouts.py), the base frozen: tiny Llama (GQA, untied head, adapters on the head too) at
-tp2 + SP, cp2, ZeRO-2 and ZeRO-3, its DoRA form at tp2 + SP (the row-parallel norm summed over TP, the magnitude's
-gradient over the sequence shards), GPT-2 (tied embeddings, frozen) at pp2 with recomputation, and the tiny Mixtral-
-like MoE with adapters on its experts at ep2. Losses and gradient norms agree to 1e-5 relative at every step, and so
-do the adapter gradients of the second step (after the first step's B is no longer zero, so A's gradient is too),
-gathered whole over TP / EP and ZeRO: all together to 1e-5, each tensor to 1e-4. The base weights get no gradient and no optimizer state.
+tp2 + SP, cp2, ZeRO-2 and ZeRO-3; its DoRA form at tp2 + SP (the row-parallel norm summed over TP, the magnitude's
+gradient over the sequence shards), also with one kv head (GroupedQKVLinear: B's k/v rows replicated over the kv
+group); GPT-2 (tied embeddings, frozen) at pp2 with recomputation; the tiny Mixtral-like MoE with adapters on its
+experts at ep2 and at tp2 + SP (tokens split over TP). Losses and gradient norms agree to 1e-5 relative at every
+step, and so do the adapter gradients of the second step (after the first step's B is no longer zero, so A's
+gradient is too), gathered whole over TP / EP and ZeRO: all together to 1e-5, each tensor to 1e-4. The base weights
+get no gradient and no optimizer state.
 """
 
 import json
@@ -16,6 +18,7 @@ import pytest
 import torch
 
 from tests.training.test_gpt_layouts import COMMON, CONFIGS
+from zoo.convert.io import stored_key
 from zoo.models.lora import is_adapter
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,6 +29,8 @@ MODELS = {  # name: (config, overrides)
     "llama-dora": ("llama", LORA + ["finetune.lora.dora=true"]),
     "gpt2": ("gpt2", LORA),
     "moe": ("moe", LORA + ["finetune.lora.targets=[qkv, dense, experts]"]),
+    # one kv head: at tp2 GroupedQKVLinear, B's k/v rows replicated over the kv group (their gradient summed there)
+    "llama-kv1-dora": ("llama", LORA + ["finetune.lora.dora=true", "model.num_key_value_heads=1"]),
 }
 LAYOUTS = {
     "tp2-sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
@@ -36,7 +41,8 @@ LAYOUTS = {
     "ep2": (2, ["parallel.ep=2"]),
 }
 CASES = [("llama", "tp2-sp"), ("llama", "cp2"), ("llama", "dp2-zero2"), ("llama", "dp2-zero3"),
-         ("llama-dora", "tp2-sp"), ("gpt2", "pp2-recompute"), ("moe", "ep2")]
+         ("llama-dora", "tp2-sp"), ("llama-kv1-dora", "tp2-sp"), ("gpt2", "pp2-recompute"), ("moe", "ep2"),
+         ("moe", "tp2-sp")]  # experts whole on each TP rank, tokens split: their adapters' gradients summed over TP
 
 
 def _full_grads(engine, grid) -> dict:
@@ -50,8 +56,16 @@ def _full_grads(engine, grid) -> dict:
     for name, p in engine.module.named_parameters():
         if not p.requires_grad:
             continue
-        assert not hasattr(p, "stored_rows")  # GroupedQKVLinear's rows: tp above the kv heads, not run here
         g = safe_get_full_grad(p).detach().float().clone()
+        if hasattr(p, "stored_rows"):  # GroupedQKVLinear's query or k/v rows of the stored tensor, from every rank
+            parts = full_tensor(g, 0, 1, grid.tp_group).chunk(grid.tp)
+            whole = out.setdefault(stored_key(name, p), g.new_zeros((p.stored_size, *g.shape[1:])))
+            for part, rows in zip(parts, p.stored_rows):
+                offset = 0
+                for start, stop in rows:
+                    whole[start:stop] = part[offset:offset + stop - start]
+                    offset += stop - start
+            continue
         if getattr(p, "expert_parallel", False):
             g = full_tensor(g, 0, 1, grid.ep_group)
         elif getattr(p, "tensor_model_parallel", False):
@@ -87,7 +101,8 @@ def train_case(model, overrides, out):
             return take_step(*a, **k)
 
         engine._take_model_step = second_step_grads
-        frozen["trainable"] = sorted(n for n, p in engine.module.named_parameters() if p.requires_grad)
+        frozen["trainable"] = sorted({stored_key(n, p) for n, p in engine.module.named_parameters()
+                                      if p.requires_grad})  # as a model folder names them
         return engine, loss_fn
 
     run.build_engine = capturing_build_engine
