@@ -500,7 +500,8 @@ def _inputs_require_grad(model: nn.Module) -> None:
     checkpoint passes gradients to its parameters (the adapters) only when its input requires grad (HF's
     ``enable_input_require_grads``)."""
     def hook(module, args, out):
-        if isinstance(out, torch.Tensor) and out.is_floating_point() and not out.requires_grad:
+        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.is_floating_point() \
+                and not out.requires_grad:
             return out.requires_grad_(True)
         return out
 
