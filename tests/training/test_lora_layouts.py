@@ -5,10 +5,10 @@ tests/training/test_gpt_layouts.py), the base frozen: tiny Llama (GQA, untied he
 tp2 + SP, cp2, ZeRO-2 and ZeRO-3; its DoRA form at tp2 + SP (the row-parallel norm summed over TP, the magnitude's
 gradient over the sequence shards), also with one kv head (GroupedQKVLinear: B's k/v rows replicated over the kv
 group); GPT-2 (tied embeddings, frozen) at pp2 with recomputation; the tiny Mixtral-like MoE with adapters on its
-experts at ep2 and at tp2 + SP (tokens split over TP). Losses and gradient norms agree to 1e-5 relative at every
-step, and so do the adapter gradients of the second step (after the first step's B is no longer zero, so A's
-gradient is too), gathered whole over TP / EP and ZeRO: all together to 1e-5, each tensor to 1e-4. The base weights
-get no gradient and no optimizer state.
+experts at ep2, at tp2 + SP (tokens split over TP) and with EP spanning TP (each TP rank its own experts). Losses
+and gradient norms agree to 1e-5 relative at every step, and so do the adapter gradients of the second step (after
+the first step's B is no longer zero, so A's gradient is too), gathered whole over TP / EP and ZeRO: all together
+to 1e-5, each tensor to 1e-4. The base weights get no gradient and no optimizer state.
 """
 
 import json
@@ -39,10 +39,11 @@ LAYOUTS = {
     "dp2-zero3": (2, ["parallel.zero_stage=3"]),
     "pp2-recompute": (2, ["parallel.pp=2", "parallel.activation_checkpointing=true"]),
     "ep2": (2, ["parallel.ep=2"]),
+    "ep2-tp2-spans": (2, ["parallel.ep=2", "parallel.tp=2", "parallel.ep_spans_tp=true"]),  # experts differ per TP rank
 }
 CASES = [("llama", "tp2-sp"), ("llama", "cp2"), ("llama", "dp2-zero2"), ("llama", "dp2-zero3"),
          ("llama-dora", "tp2-sp"), ("llama-kv1-dora", "tp2-sp"), ("gpt2", "pp2-recompute"), ("moe", "ep2"),
-         ("moe", "tp2-sp")]  # experts whole on each TP rank, tokens split: their adapters' gradients summed over TP
+         ("moe", "tp2-sp"), ("moe", "ep2-tp2-spans")]
 
 
 def _full_grads(engine, grid) -> dict:
@@ -85,7 +86,8 @@ def train_case(model, overrides, out):
     config, extra = MODELS[model]
     cfg = load(CONFIGS[config], COMMON + extra + list(overrides) + [f"out={out}"])
     model_cfg = validate(cfg, dist.get_world_size())
-    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.cp)
+    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.cp,
+                                     ep_spans_tp=cfg.parallel.ep_spans_tp)
     grads, frozen, build_engine = {}, {"grads": []}, run.build_engine
 
     def capturing_build_engine(*args, **kwargs):
