@@ -31,6 +31,9 @@ MODELS = {  # name: (config, overrides)
     "moe": ("moe", LORA + ["finetune.lora.targets=[qkv, dense, experts]"]),
     # one kv head: at tp2 GroupedQKVLinear, B's k/v rows replicated over the kv group (their gradient summed there)
     "llama-kv1-dora": ("llama", LORA + ["finetune.lora.dora=true", "model.num_key_value_heads=1"]),
+    # lora dropout, its mask made a function of the input (x -> 2 x [x > 0]) so that every layout draws the same:
+    # DoRA's three sums (W x, W x', s B A x') in one row-parallel reduction
+    "llama-dora-dropout": ("llama", LORA + ["finetune.lora.dora=true", "finetune.lora.dropout=0.5"]),
 }
 LAYOUTS = {
     "tp2-sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
@@ -43,7 +46,12 @@ LAYOUTS = {
 }
 CASES = [("llama", "tp2-sp"), ("llama", "cp2"), ("llama", "dp2-zero2"), ("llama", "dp2-zero3"),
          ("llama-dora", "tp2-sp"), ("llama-kv1-dora", "tp2-sp"), ("gpt2", "pp2-recompute"), ("moe", "ep2"),
-         ("moe", "tp2-sp"), ("moe", "ep2-tp2-spans")]
+         ("moe", "tp2-sp"), ("moe", "ep2-tp2-spans"), ("llama-dora-dropout", "tp2-sp")]
+
+
+def input_dropout(x, p=0.5, training=True, inplace=False):
+    """A dropout whose mask is a function of its input (for the lora-dropout runs): the same in every layout."""
+    return x if p == 0 or not training else x * 2 * (x > 0)
 
 
 def _full_grads(engine, grid) -> dict:
@@ -108,11 +116,15 @@ def train_case(model, overrides, out):
         return engine, loss_fn
 
     run.build_engine = capturing_build_engine
+    dropout = torch.nn.functional.dropout
+    if model.endswith("-dropout"):
+        torch.nn.functional.dropout = input_dropout
     try:
         with run.Trainer(cfg, model_cfg, grid, log=lambda s: None) as trainer:
             losses = trainer.fit().losses
     finally:
         run.build_engine = build_engine
+        torch.nn.functional.dropout = dropout
     metrics = None
     if grid.rank == 0:
         records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
@@ -203,3 +215,10 @@ def test_lora_state_memory_is_the_adapters_and_priced(dist_run, layout):
         full_state = full["grads"][rank] - full["grad_buckets"][rank] + full["optimizer"][rank]
         assert state < 0.15 * full_state, (state, full_state)  # r = 4 of a 64-wide model: ~8% of its weights
         assert lora["params"][rank] > 0.9 * full["params"][rank]  # the base is all there, frozen
+
+
+def test_lora_dropout_runs_drop(dist_run):
+    """The dropout case above has teeth: its losses are not those of the same run without dropout."""
+    dropped = run(dist_run, "llama-dora-dropout", "single")[0][0]
+    plain = run(dist_run, "llama-dora", "single")[0][0]
+    assert abs(dropped[-1] - plain[-1]) > 1e-3 * abs(plain[-1]), (dropped, plain)
