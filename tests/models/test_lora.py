@@ -159,6 +159,24 @@ def test_dropout_on_the_adapter_input_as_peft(monkeypatch, dora):
     torch.testing.assert_close(ours, theirs, rtol=0, atol=TOL * 10)
 
 
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_merged_head_weight_computes_the_adapted_head(dora):
+    """``merged_weight()`` (what the fused LM head + loss reads): the same outputs and adapter gradients as the
+    adapted layer's own forward."""
+    model, _, _ = adapted_pair("llama", LoraConfig(r=4, alpha=8.0, dora=dora, targets=["lm_head"]))
+    head = model.get_submodule("4.linear")
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(0))
+    grads = []
+    for y in (lambda: head(x), lambda: F.linear(x, head.merged_weight())):
+        head.zero_grad()
+        out = y()
+        out.square().sum().backward()
+        grads.append([out.detach()] + [p.grad.clone() for p in adapter_parameters(head).values()])
+    assert len(grads[0]) == (4 if dora else 3)
+    for a, b in zip(*grads):  # (W + s B A) x against W x + s B (A x): fp32 sums in another order
+        assert float((a - b).norm() / b.norm()) < 1e-5
+
+
 def test_adapters_start_as_the_base_model():
     """B = 0 and (DoRA) m = ||W||: an adapted model computes the base model; A is nn.Linear's init (kaiming-uniform)."""
     for dora in (False, True):

@@ -217,6 +217,18 @@ def test_lora_state_memory_is_the_adapters_and_priced(dist_run, layout):
         assert lora["params"][rank] > 0.9 * full["params"][rank]  # the base is all there, frozen
 
 
+@pytest.mark.parametrize("layout", ["single", "tp2-sp"])
+def test_lora_head_with_the_fused_loss_trains_as_unfused(dist_run, layout):
+    """training.fused_cross_entropy: the loss reads the head's weight itself, here W + s B A (gradients to A, summed
+    over TP, and B): the unfused runs' losses and gradients."""
+    expected = run(dist_run, "llama", "single")
+    losses, _, grads, _ = run(dist_run, "llama", layout, ["training.fused_cross_entropy=true"])
+    for rank_losses in losses:
+        torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(expected[0][0]), rtol=1e-5, atol=0)
+    head = [n for n in expected[2] if n.endswith("linear.lora_A")]
+    assert head and all(float((grads[n] - expected[2][n]).norm() / expected[2][n].norm()) < 1e-4 for n in head)
+
+
 def test_lora_dropout_runs_drop(dist_run):
     """The dropout case above has teeth: its losses are not those of the same run without dropout."""
     dropped = run(dist_run, "llama-dora-dropout", "single")[0][0]
