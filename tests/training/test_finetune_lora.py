@@ -122,6 +122,10 @@ def test_adapters_that_differ_are_refused_in_one_line(task, tmp_path, capsys):
         validate(load(None, ["finetune.lora.r=2", "finetune.lora.targets=experts"]), 1)
     with pytest.raises(ConfigError, match="tie_word_embeddings"):
         validate(load(None, ["finetune.lora.targets=[lm_head]"]), 1)  # the tiny GPT-2 ties its head
+    with pytest.raises(ConfigError, match="finetune.lora.dropout 0.1 on the 'lm_head' target does not work with "
+                                          "training.fused_cross_entropy"):
+        validate(load(None, ["model.preset=tiny-llama", "finetune.lora.targets=[lm_head]", "finetune.lora.dropout=0.1",
+                             "training.fused_cross_entropy=true"]), 1)
     with pytest.raises(ConfigError, match="finetune.lora is for the gpt family"):
         validate(load(None, ["model.family=bert", "finetune.lora.r=2"]), 1)
     assert "\n" not in str(e.value)
