@@ -40,8 +40,9 @@ def adapted_pair(arch: str, cfg_lora: LoraConfig, seed: int = 0):
             (range(cfg.num_hidden_layers) if "{}" in r.zoo else [None])]
     targets = [k.removesuffix(".weight") for r in rows if r.zoo.removesuffix(".weight") in adapted for k in r.hf]
     assert {t.rsplit(".", 1)[-1] for t in targets} <= set(HF_TARGETS[arch])
-    hf_cfg = peft.LoraConfig(r=cfg_lora.r, lora_alpha=cfg_lora.alpha, lora_dropout=0.0, use_dora=cfg_lora.dora,
-                             use_rslora=cfg_lora.rslora, target_modules=targets, fan_in_fan_out=arch == "gpt2")
+    hf_cfg = peft.LoraConfig(r=cfg_lora.r, lora_alpha=cfg_lora.alpha, lora_dropout=cfg_lora.dropout,
+                             use_dora=cfg_lora.dora, use_rslora=cfg_lora.rslora, target_modules=targets,
+                             fan_in_fan_out=arch == "gpt2")
     peft_model = peft.get_peft_model(hf, hf_cfg)
     zoo_params = dict(model.named_parameters())
     moved = set()
@@ -133,6 +134,47 @@ def test_lora_trains_as_peft(arch, case):
         theirs = peft_model.merge_and_unload()(ids).logits
     torch.testing.assert_close(ours, adapted, rtol=0, atol=TOL * 10)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=TOL * 100)  # both trained 3 steps: their drift (1e-5) too
+
+
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_dropout_on_the_adapter_input_as_peft(monkeypatch, dora):
+    """With lora dropout, in training: the adapter term (and DoRA's W x') sees the dropped input, the base term the
+    whole one, as in peft. The mask is made a function of the input (x -> 2 x [x > 0]), so that zoo's one draw for a
+    fused weight and peft's one per projection agree; eval mode drops nothing."""
+    real = F.dropout
+
+    def dropout(x, p=0.5, training=True, inplace=False):
+        return x if p == 0 or not training else x * 2 * (x > 0)
+
+    cfg_lora = LoraConfig(r=4, alpha=8.0, dropout=0.5, dora=dora)
+    model, peft_model, vocab = adapted_pair("llama", cfg_lora)
+    ids = token_ids()
+    with torch.no_grad():
+        evaluated = model.eval()(ids)[..., :vocab]
+        torch.testing.assert_close(evaluated, peft_model.eval()(ids).logits, rtol=0, atol=TOL * 10)
+        monkeypatch.setattr(torch.nn.functional, "dropout", dropout)
+        ours, theirs = model.train()(ids)[..., :vocab], peft_model.train()(ids).logits
+    monkeypatch.setattr(torch.nn.functional, "dropout", real)
+    assert (ours - evaluated).abs().max() > 1e-2, "the dropout must change the adapter term"
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=TOL * 10)
+
+
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_merged_head_weight_computes_the_adapted_head(dora):
+    """``merged_weight()`` (what the fused LM head + loss reads): the same outputs and adapter gradients as the
+    adapted layer's own forward."""
+    model, _, _ = adapted_pair("llama", LoraConfig(r=4, alpha=8.0, dora=dora, targets=["lm_head"]))
+    head = model.get_submodule("4.linear")
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(0))
+    grads = []
+    for y in (lambda: head(x), lambda: F.linear(x, head.merged_weight())):
+        head.zero_grad()
+        out = y()
+        out.square().sum().backward()
+        grads.append([out.detach()] + [p.grad.clone() for p in adapter_parameters(head).values()])
+    assert len(grads[0]) == (4 if dora else 3)
+    for a, b in zip(*grads):  # (W + s B A) x against W x + s B (A x): fp32 sums in another order
+        assert float((a - b).norm() / b.norm()) < 1e-5
 
 
 def test_adapters_start_as_the_base_model():

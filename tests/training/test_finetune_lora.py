@@ -40,7 +40,7 @@ def task(tmp_path_factory):
     return hf, data
 
 
-def test_lora_finetune_tp2_exports_adapters_merges_hf_and_resumes(task, tmp_path, dist_run):
+def test_lora_finetune_tp2_exports_adapters_merges_hf_and_resumes(task, tmp_path, dist_run, capsys):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
@@ -95,6 +95,21 @@ def test_lora_finetune_tp2_exports_adapters_merges_hf_and_resumes(task, tmp_path
     resumed = tensors(model_dir)
     assert not torch.equal(resumed["1.attention.qkv.lora_B"], saved["1.attention.qkv.lora_B"])
 
+    # refused in one line, before anything runs: resuming with other adapters; an init folder holding adapters
+    # without finetune.lora, or with others
+    from zoo.finetune.gpt import main
+    from zoo.training.config import ConfigError, load, validate
+
+    other = [*STEPS[:-1], "finetune.lora.targets=[qkv]"]
+    one = ["--init", hf, "--data", data, "--out", out, "--valid-fraction", "0"]  # this process alone
+    assert main([str(a) for a in [*one, "--steps", "5", *other]]) == 2
+    assert "trained adapters" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="holds LoRA adapters .* set finetune.lora to go on training them") as e:
+        validate(load(None, [f"training.init_from={model_dir}", "data.source=synthetic"]), 1)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="holds adapters .* finetune.lora asks for"):
+        validate(load(None, [f"training.init_from={model_dir}", "data.source=synthetic", "finetune.lora.r=8"]), 1)
+
 
 def test_adapters_that_differ_are_refused_in_one_line(task, tmp_path, capsys):
     from zoo.finetune.gpt import main
@@ -107,6 +122,10 @@ def test_adapters_that_differ_are_refused_in_one_line(task, tmp_path, capsys):
         validate(load(None, ["finetune.lora.r=2", "finetune.lora.targets=experts"]), 1)
     with pytest.raises(ConfigError, match="tie_word_embeddings"):
         validate(load(None, ["finetune.lora.targets=[lm_head]"]), 1)  # the tiny GPT-2 ties its head
+    with pytest.raises(ConfigError, match="finetune.lora.dropout 0.1 on the 'lm_head' target does not work with "
+                                          "training.fused_cross_entropy"):
+        validate(load(None, ["model.preset=tiny-llama", "finetune.lora.targets=[lm_head]", "finetune.lora.dropout=0.1",
+                             "training.fused_cross_entropy=true"]), 1)
     with pytest.raises(ConfigError, match="finetune.lora is for the gpt family"):
         validate(load(None, ["model.family=bert", "finetune.lora.r=2"]), 1)
     assert "\n" not in str(e.value)

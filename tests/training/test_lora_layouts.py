@@ -2,12 +2,13 @@
 
 Each run trains 3 steps from the same seed on the same global batch (the dense layouts' batch,
 tests/training/test_gpt_layouts.py), the base frozen: tiny Llama (GQA, untied head, adapters on the head too) at
-tp2 + SP, cp2, ZeRO-2 and ZeRO-3, its DoRA form at tp2 + SP (the row-parallel norm summed over TP, the magnitude's
-gradient over the sequence shards), GPT-2 (tied embeddings, frozen) at pp2 with recomputation, and the tiny Mixtral-
-like MoE with adapters on its experts at ep2. Losses and gradient norms agree to 1e-5 relative at every step, and so
-do the adapter gradients of the second step (after the first step's B is no longer zero, so A's gradient is too),
-gathered whole over TP / EP and ZeRO: all together to 1e-5, each tensor to 1e-4. The base weights get no gradient
-and no optimizer state.
+tp2 + SP, cp2, ZeRO-2 and ZeRO-3; its DoRA form at tp2 + SP (the row-parallel norm summed over TP, the magnitude's
+gradient over the sequence shards), also with one kv head (GroupedQKVLinear: B's k/v rows replicated over the kv
+group); GPT-2 (tied embeddings, frozen) at pp2 with recomputation; the tiny Mixtral-like MoE with adapters on its
+experts at ep2, at tp2 + SP (tokens split over TP) and with EP spanning TP (each TP rank its own experts). Losses
+and gradient norms agree to 1e-5 relative at every step, and so do the adapter gradients of the second step (after
+the first step's B is no longer zero, so A's gradient is too), gathered whole over TP / EP and ZeRO: all together
+to 1e-5, each tensor to 1e-4. The base weights get no gradient and no optimizer state.
 """
 
 import json
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from tests.training.test_gpt_layouts import COMMON, CONFIGS
+from zoo.convert.io import stored_key
 from zoo.models.lora import is_adapter
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,6 +29,11 @@ MODELS = {  # name: (config, overrides)
     "llama-dora": ("llama", LORA + ["finetune.lora.dora=true"]),
     "gpt2": ("gpt2", LORA),
     "moe": ("moe", LORA + ["finetune.lora.targets=[qkv, dense, experts]"]),
+    # one kv head: at tp2 GroupedQKVLinear, B's k/v rows replicated over the kv group (their gradient summed there)
+    "llama-kv1-dora": ("llama", LORA + ["finetune.lora.dora=true", "model.num_key_value_heads=1"]),
+    # lora dropout, its mask made a function of the input (x -> 2 x [x > 0]) so that every layout draws the same:
+    # DoRA's three sums (W x, W x', s B A x') in one row-parallel reduction
+    "llama-dora-dropout": ("llama", LORA + ["finetune.lora.dora=true", "finetune.lora.dropout=0.5"]),
 }
 LAYOUTS = {
     "tp2-sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
@@ -35,9 +42,16 @@ LAYOUTS = {
     "dp2-zero3": (2, ["parallel.zero_stage=3"]),
     "pp2-recompute": (2, ["parallel.pp=2", "parallel.activation_checkpointing=true"]),
     "ep2": (2, ["parallel.ep=2"]),
+    "ep2-tp2-spans": (2, ["parallel.ep=2", "parallel.tp=2", "parallel.ep_spans_tp=true"]),  # experts differ per TP rank
 }
 CASES = [("llama", "tp2-sp"), ("llama", "cp2"), ("llama", "dp2-zero2"), ("llama", "dp2-zero3"),
-         ("llama-dora", "tp2-sp"), ("gpt2", "pp2-recompute"), ("moe", "ep2")]
+         ("llama-dora", "tp2-sp"), ("llama-kv1-dora", "tp2-sp"), ("gpt2", "pp2-recompute"), ("moe", "ep2"),
+         ("moe", "tp2-sp"), ("moe", "ep2-tp2-spans"), ("llama-dora-dropout", "tp2-sp")]
+
+
+def input_dropout(x, p=0.5, training=True, inplace=False):
+    """A dropout whose mask is a function of its input (for the lora-dropout runs): the same in every layout."""
+    return x if p == 0 or not training else x * 2 * (x > 0)
 
 
 def _full_grads(engine, grid) -> dict:
@@ -51,8 +65,16 @@ def _full_grads(engine, grid) -> dict:
     for name, p in engine.module.named_parameters():
         if not p.requires_grad:
             continue
-        assert not hasattr(p, "stored_rows")  # GroupedQKVLinear's rows: tp above the kv heads, not run here
         g = safe_get_full_grad(p).detach().float().clone()
+        if hasattr(p, "stored_rows"):  # GroupedQKVLinear's query or k/v rows of the stored tensor, from every rank
+            parts = full_tensor(g, 0, 1, grid.tp_group).chunk(grid.tp)
+            whole = out.setdefault(stored_key(name, p), g.new_zeros((p.stored_size, *g.shape[1:])))
+            for part, rows in zip(parts, p.stored_rows):
+                offset = 0
+                for start, stop in rows:
+                    whole[start:stop] = part[offset:offset + stop - start]
+                    offset += stop - start
+            continue
         if getattr(p, "expert_parallel", False):
             g = full_tensor(g, 0, 1, grid.ep_group)
         elif getattr(p, "tensor_model_parallel", False):
@@ -72,7 +94,8 @@ def train_case(model, overrides, out):
     config, extra = MODELS[model]
     cfg = load(CONFIGS[config], COMMON + extra + list(overrides) + [f"out={out}"])
     model_cfg = validate(cfg, dist.get_world_size())
-    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.cp)
+    grid = initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.cp,
+                                     ep_spans_tp=cfg.parallel.ep_spans_tp)
     grads, frozen, build_engine = {}, {"grads": []}, run.build_engine
 
     def capturing_build_engine(*args, **kwargs):
@@ -88,15 +111,20 @@ def train_case(model, overrides, out):
             return take_step(*a, **k)
 
         engine._take_model_step = second_step_grads
-        frozen["trainable"] = sorted(n for n, p in engine.module.named_parameters() if p.requires_grad)
+        frozen["trainable"] = sorted({stored_key(n, p) for n, p in engine.module.named_parameters()
+                                      if p.requires_grad})  # as a model folder names them
         return engine, loss_fn
 
     run.build_engine = capturing_build_engine
+    dropout = torch.nn.functional.dropout
+    if model.endswith("-dropout"):
+        torch.nn.functional.dropout = input_dropout
     try:
         with run.Trainer(cfg, model_cfg, grid, log=lambda s: None) as trainer:
             losses = trainer.fit().losses
     finally:
         run.build_engine = build_engine
+        torch.nn.functional.dropout = dropout
     metrics = None
     if grid.rank == 0:
         records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
@@ -151,11 +179,13 @@ def test_lora_layout_trains_as_single_process(dist_run, model, layout):
         assert any("experts.gate_up_proj_lora_B" in n for n in ref_grads)
 
 
-def test_lora_bf16_trains_like_fp32(dist_run):
-    fp32 = run(dist_run, "llama", "single")[0][0]
-    losses = run(dist_run, "llama", "single", ["training.precision=bf16"])[0][0]
-    assert all(torch.isfinite(torch.tensor(losses)))
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(fp32), rtol=2e-2, atol=0)
+@pytest.mark.parametrize("model,layout", [("llama", "single"), ("gpt2", "pp2-recompute")])
+def test_lora_bf16_trains_like_fp32(dist_run, model, layout):
+    """DeepSpeed's bf16 optimizers (one process: FP16_UnfusedOptimizer; pp2: BF16_Optimizer) with a frozen base."""
+    fp32 = run(dist_run, model, "single")[0][0]
+    for losses in run(dist_run, model, layout, ["training.precision=bf16"])[0]:
+        assert all(torch.isfinite(torch.tensor(losses)))
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(fp32), rtol=2e-2, atol=0)
 
 
 @pytest.mark.parametrize("layout", ["single", "dp2-zero2"])
@@ -185,3 +215,22 @@ def test_lora_state_memory_is_the_adapters_and_priced(dist_run, layout):
         full_state = full["grads"][rank] - full["grad_buckets"][rank] + full["optimizer"][rank]
         assert state < 0.15 * full_state, (state, full_state)  # r = 4 of a 64-wide model: ~8% of its weights
         assert lora["params"][rank] > 0.9 * full["params"][rank]  # the base is all there, frozen
+
+
+@pytest.mark.parametrize("layout", ["single", "tp2-sp"])
+def test_lora_head_with_the_fused_loss_trains_as_unfused(dist_run, layout):
+    """training.fused_cross_entropy: the loss reads the head's weight itself, here W + s B A (gradients to A, summed
+    over TP, and B): the unfused runs' losses and gradients."""
+    expected = run(dist_run, "llama", "single")
+    losses, _, grads, _ = run(dist_run, "llama", layout, ["training.fused_cross_entropy=true"])
+    for rank_losses in losses:
+        torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(expected[0][0]), rtol=1e-5, atol=0)
+    head = [n for n in expected[2] if n.endswith("linear.lora_A")]
+    assert head and all(float((grads[n] - expected[2][n]).norm() / expected[2][n].norm()) < 1e-4 for n in head)
+
+
+def test_lora_dropout_runs_drop(dist_run):
+    """The dropout case above has teeth: its losses are not those of the same run without dropout."""
+    dropped = run(dist_run, "llama-dora-dropout", "single")[0][0]
+    plain = run(dist_run, "llama-dora", "single")[0][0]
+    assert abs(dropped[-1] - plain[-1]) > 1e-3 * abs(plain[-1]), (dropped, plain)

@@ -928,7 +928,9 @@ class GPTLMHead(nn.Module):
 
     def forward(self, hidden):
         if self.par.fused_cross_entropy:
-            return _parallel_logits(hidden, self.linear.weight, self.par, self.config)
+            # the weight the head stands for: with a LoRA adapter (zoo.models.lora) W + s B A, which the loss reads
+            weight = getattr(self.linear, "merged_weight", None)
+            return _parallel_logits(hidden, self.linear.weight if weight is None else weight(), self.par, self.config)
         return softcap_logits(self.linear(hidden), self.config)
 
 

@@ -17,10 +17,11 @@ per expert: ``experts.<param>_lora_A`` ``[E, r, in]`` and ``experts.<param>_lora
 
 Sharding (the PEFT / torchtitan rule), each replicated factor's gradient summed over the ranks that share it:
 
-- column-parallel (``qkv``, ``fc1``, the untied ``lm_head``): B and m sharded exactly as W's rows (fc1's stride-2
-  [gate; up] split, :class:`zoo.parallel.layers.GroupedQKVLinear`'s query rows sharded and k/v rows replicated over
-  the kv group, their gradients summed over it, as ``kv_weight``'s); A replicated, its gradient summed over TP
-  (each rank's B sees its own rows). x' is the replicated (SP: gathered) input, so dropout draws one mask for all.
+- column-parallel (``qkv``, ``fc1``, the untied ``lm_head``, whose ``merged_weight`` the fused LM head + loss
+  reads): B and m sharded exactly as W's rows (fc1's stride-2 [gate; up] split,
+  :class:`zoo.parallel.layers.GroupedQKVLinear`'s query rows sharded and k/v rows replicated over the kv group, their
+  gradients summed over it, as ``kv_weight``'s); A replicated, its gradient summed over TP (each rank's B sees its
+  own rows). x' is the replicated (SP: gathered) input, so dropout draws one mask for all.
 - row-parallel (``dense``, ``fc2``): A sharded on the input like W's columns, B and m replicated. ``s B (A_i x_i)``
   is added to ``W_i x_i`` before the TP reduction (one collective; the reduction sums the partial ``A_i x_i``), so
   B's gradient is summed over TP. DoRA: n^2 summed over TP; m's gradient summed over TP under SP (it then sees a
@@ -269,6 +270,16 @@ class LoraColumnParallelLinear(ColumnParallelLinear):
             y = gather_from_tensor_model_parallel_region(y, self.tp_group)
         return y
 
+    def merged_weight(self) -> torch.Tensor:
+        """This rank's rows of the weight the adapter stands for (:func:`merged`, without dropout), for a consumer
+        that reads the weight itself (the fused LM head + loss); gradients reach A (summed over TP), B and m."""
+        A = _summed(self.lora_A, self.tp_group)
+        w = self.weight + self.lora_config.scale * (self.lora_B @ A).to(self.weight.dtype)
+        if hasattr(self, "lora_magnitude"):
+            norm = _squared_row_norms(self.weight, self.lora_B, A, self.lora_config.scale).sqrt()
+            w = w * (self.lora_magnitude / norm.to(w.dtype)).unsqueeze(-1)
+        return w
+
 
 class LoraGroupedQKVLinear(GroupedQKVLinear):
     """:class:`GroupedQKVLinear` with an adapter: ``lora_A`` [r, in] replicated over TP; ``lora_B`` / ``lora_magnitude``
@@ -500,7 +511,8 @@ def _inputs_require_grad(model: nn.Module) -> None:
     checkpoint passes gradients to its parameters (the adapters) only when its input requires grad (HF's
     ``enable_input_require_grads``)."""
     def hook(module, args, out):
-        if isinstance(out, torch.Tensor) and out.is_floating_point() and not out.requires_grad:
+        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.is_floating_point() \
+                and not out.requires_grad:
             return out.requires_grad_(True)
         return out
 

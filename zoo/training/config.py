@@ -388,10 +388,11 @@ def _validate_finetune(cfg: RunConfig, model) -> None:
         check_model(lora, model)
     except ValueError as e:
         raise ConfigError(f"finetune.{e}") from None
-    if "lm_head" in lora.targets and cfg.training.fused_cross_entropy:
-        raise ConfigError("finetune.lora.targets 'lm_head' does not work with training.fused_cross_entropy (the loss "
-                          "reads the head's weight itself); remove 'lm_head' or set training.fused_cross_entropy: "
-                          "false")
+    if "lm_head" in lora.targets and cfg.training.fused_cross_entropy and lora.dropout:
+        raise ConfigError(f"finetune.lora.dropout {lora.dropout} on the 'lm_head' target does not work with "
+                          f"training.fused_cross_entropy (the loss reads the head's merged weight, W + s B A, which "
+                          f"has no input to drop); set finetune.lora.dropout: 0, remove 'lm_head', or set "
+                          f"training.fused_cross_entropy: false")
     if held is not None:
         mine = {k: getattr(lora, k) for k in ("r", "targets", "dora")}
         theirs = {k: held.get(k) for k in mine}
