@@ -34,6 +34,7 @@ BAD = [
     (TINY, ["parallel.sequence_parallel=true"], 1, r"^parallel.sequence_parallel needs tp > 1"),
     (TINY, ["training.seq_length=512"], 1, r"^training.seq_length 512 exceeds the model's max_position_embeddings 128"),
     (TINY, ["training.lr=fast"], 1, r"^training.lr must be a float, got 'fast'$"),
+    (TINY, ["training.lr=0"], 1, r"^training.lr must be a positive number \(the peak learning rate, e.g. 3e-4\)"),
     (TINY, ["training.batch=4"], 1, r"^unknown key\(s\) \['batch'\] in section 'training'"),
     (TINY, ["model.num_layers=4"], 1, r"^model: GPTConfig: unknown field\(s\) \['num_layers'\]"),
     (TINY, ["model.preset=gpt5"], 1, r"^model: unknown GPT preset 'gpt5'; presets: "),

@@ -1,8 +1,10 @@
 """LoRA fine-tuning end to end (``launch/finetune.py --init HF --set finetune.lora.r=4``) at tp=2: the exported zoo
 folder holds the frozen base unchanged and the trained adapters beside it (the naming contract, whole tensors,
 ``"lora"`` in config.json), the HF folder is the merged model (transformers' logits equal zoo's model with its
-adapters applied, one process), the run resumes from its checkpoint with its adapters, and a resume or an init
-folder whose adapters differ from the run's is refused in one line.
+adapters applied, one process), zoo-to-peft's unmerged adapter loads with ``PeftModel.from_pretrained`` on the HF
+base and gives zoo's logits, ``--adapter`` of that PEFT folder goes on training from its weights, the run resumes
+from its checkpoint with its adapters, and a resume, an init folder or an adapter whose adapters differ from the
+run's is refused in one line.
 """
 
 from __future__ import annotations
@@ -85,7 +87,31 @@ def test_lora_finetune_tp2_exports_adapters_merges_hf_and_resumes(task, tmp_path
     merged = AutoModelForCausalLM.from_pretrained(out / "hf").eval()
     ids = torch.randint(1, 300, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(model.eval()(ids)[..., :300], merged(ids).logits, rtol=0, atol=1e-4)
+        ours = model.eval()(ids)[..., :300]
+        torch.testing.assert_close(ours, merged(ids).logits, rtol=0, atol=1e-4)
+
+    # the unmerged adapter as peft loads it: zoo-to-peft (through the Llama key table: B de-interleaved per kv group
+    # and TP-independent, one A for q/k/v and for gate/up) on the original HF base gives zoo's logits
+    from peft import PeftModel
+
+    from zoo.convert.cli import main as convert
+
+    assert convert(["zoo-to-peft", "--src", str(model_dir), "--out", str(tmp_path / "adapter"), "--base", str(hf)]) == 0
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(ids).logits, ours, rtol=0, atol=1e-4)
+
+    # --adapter: the PEFT folder goes on training on its base (its settings become finetune.lora); one step at lr
+    # 1e-12 moves AdamW's weights by about 1e-12, so the exported adapter is the trained one (a fresh B would be 0)
+    again = tmp_path / "again"
+    one = ["--init", hf, "--data", data, "--out", again, "--valid-fraction", "0", "--adapter", tmp_path / "adapter"]
+    ((rc, _, err),) = dist_run(1, run_main, "zoo.dispatch:finetune_main",
+                               [*one, "--steps", "1", *STEPS[:5], "training.lr=1e-12", "--no-sample"])
+    assert rc == 0, err[-3000:]
+    assert json.loads((again / "model" / "config.json").read_text())["lora"] == meta["lora"]
+    continued = tensors(again / "model")
+    for key in (k for k in saved if "lora_" in k):
+        torch.testing.assert_close(continued[key], saved[key], rtol=0, atol=1e-9)
 
     # the same command with more steps resumes from out/checkpoints (step 3), adapters included
     ranks = dist_run(2, run_main, "zoo.dispatch:finetune_main", [*argv, "--steps", "4", *STEPS])
@@ -109,6 +135,13 @@ def test_lora_finetune_tp2_exports_adapters_merges_hf_and_resumes(task, tmp_path
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="holds adapters .* finetune.lora asks for"):
         validate(load(None, [f"training.init_from={model_dir}", "data.source=synthetic", "finetune.lora.r=8"]), 1)
+    with pytest.raises(ConfigError, match=r"finetune.adapter .*adapter holds adapters .* finetune.lora asks for") as e:
+        validate(load(None, [f"training.init_from={hf}", f"finetune.adapter={tmp_path / 'adapter'}",
+                             "data.source=synthetic", "finetune.lora.r=8"]), 1)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="holds adapters already and finetune.adapter names"):
+        validate(load(None, [f"training.init_from={model_dir}", f"finetune.adapter={tmp_path / 'adapter'}",
+                             "data.source=synthetic"]), 1)
 
 
 def test_adapters_that_differ_are_refused_in_one_line(task, tmp_path, capsys):

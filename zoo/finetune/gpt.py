@@ -48,14 +48,20 @@ def parse_args(argv=None):
                                                               "of --data, see --valid-fraction)")
     p.add_argument("--valid-fraction", type=float, metavar="F",
                    help="without --valid-data: hold out this fraction of --data for validation (0: none)")
+    p.add_argument("--adapter", metavar="DIR",
+                   help="go on training this adapter on --init (its base): a PEFT adapter folder or a zoo folder "
+                        "with adapters; its settings become finetune.lora")
     add_finetune_flags(p, DEFAULT_CONFIG, evaluation="validation loss",
                        sample="skip the sample completion printed at the end")
     return p.parse_args(argv)
 
 
 def config_from_args(args) -> RunConfig:
-    return run_config(args, "instruct", [args.data], valid_paths=None if args.valid_data is None else [args.valid_data],
-                      valid_fraction=args.valid_fraction)
+    cfg = run_config(args, "instruct", [args.data], valid_paths=None if args.valid_data is None else [args.valid_data],
+                     valid_fraction=args.valid_fraction)
+    if getattr(args, "adapter", None) is not None:
+        cfg.finetune.adapter = args.adapter  # as given (a path), not through --set's YAML parsing
+    return cfg
 
 
 def validate_run(cfg: RunConfig, world_size: int):

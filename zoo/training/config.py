@@ -138,6 +138,9 @@ class FinetuneSection:
     # LoRA / DoRA adapters (zoo.models.lora.LoraConfig: r, alpha, dropout, targets, dora, rslora): the base weights
     # (training.init_from) frozen, only the adapters train; null: every weight trains
     lora: dict | None = None
+    # a trained adapter to go on training: a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) or a
+    # zoo model folder holding adapters, on the base training.init_from; its settings become finetune.lora
+    adapter: str | None = None
 
 
 @dataclass
@@ -366,13 +369,15 @@ def _validate_finetune(cfg: RunConfig, model) -> None:
     ``init_from`` folder that holds adapters of its own."""
     from zoo.training.families import families_with, has_feature
 
-    lora = lora_config(cfg)
     src = cfg.training.init_from
     held = None
     if src is not None:
         from zoo.convert import io
 
         held = io.read_adapter(src) if io.is_model_folder(src) else None
+    if cfg.finetune.adapter is not None:
+        _adapter_settings(cfg, model, held)
+    lora = lora_config(cfg)
     if lora is None:
         if held is not None:
             raise ConfigError(f"training.init_from {src} holds LoRA adapters (r {held.get('r')}); set finetune.lora "
@@ -399,6 +404,33 @@ def _validate_finetune(cfg: RunConfig, model) -> None:
         if mine != theirs:
             raise ConfigError(f"training.init_from {src} holds adapters {theirs}, finetune.lora asks for {mine}; set "
                               f"finetune.lora to the folder's to go on training them")
+
+
+def _adapter_settings(cfg: RunConfig, model, held) -> None:
+    """``finetune.adapter``: read (its tensors are small) through the base's key table, refused in one line where it
+    does not fit the base; its settings fill ``finetune.lora``, or must agree with it."""
+    where, src = cfg.finetune.adapter, cfg.training.init_from
+    if src is None:
+        raise ConfigError(f"finetune.adapter {where} needs its base model: set training.init_from (--init BASE)")
+    if held is not None:
+        raise ConfigError(f"training.init_from {src} holds adapters already and finetune.adapter names {where}; "
+                          f"give one of them")
+    from zoo.convert.errors import ConvertError
+    from zoo.convert.peft import adapter_for_init
+
+    try:
+        settings, _ = adapter_for_init(where, src, model)
+    except (ConvertError, OSError, ValueError) as e:
+        raise ConfigError(f"finetune.adapter: {e}") from None
+    if cfg.finetune.lora is None:
+        cfg.finetune.lora = settings.to_dict()  # go on training the adapter as it is
+        return
+    mine = {k: cfg.finetune.lora.get(k) for k in ("r", "targets", "dora")}
+    theirs = {k: getattr(settings, k) for k in mine}
+    theirs["targets"] = list(theirs["targets"])
+    if {**mine, "targets": sorted(mine["targets"] or [])} != {**theirs, "targets": sorted(theirs["targets"])}:
+        raise ConfigError(f"finetune.adapter {where} holds adapters {theirs}, finetune.lora asks for {mine}; drop "
+                          f"finetune.lora (the adapter's settings are used) or make them agree")
 
 
 def _model_config(cfg: RunConfig):
@@ -475,6 +507,8 @@ def _validate_training_numbers(tr: TrainingSection) -> None:
         v = getattr(tr, name)
         if not isinstance(v, int) or v < 1:
             raise ConfigError(f"training.{name} must be a positive integer, got {v!r}")
+    if isinstance(tr.lr, bool) or not isinstance(tr.lr, (int, float)) or not tr.lr > 0:  # the schedule divides by it
+        raise ConfigError(f"training.lr must be a positive number (the peak learning rate, e.g. 3e-4), got {tr.lr!r}")
     if isinstance(tr.collective_timeout_minutes, bool) or not isinstance(tr.collective_timeout_minutes, (int, float)) \
             or not tr.collective_timeout_minutes > 0:
         raise ConfigError(f"training.collective_timeout_minutes must be a positive number of minutes, got "

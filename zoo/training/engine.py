@@ -42,18 +42,24 @@ def lr_factor(step: int, *, steps: int, warmup_steps: int, min_ratio: float) -> 
 
 def prepare_init(cfg: RunConfig, grid) -> Path | None:
     """The zoo model folder to start from: ``training.init_from`` itself, or (HF) its conversion, made once by
-    global rank 0 into ``<out>/init-model``."""
+    global rank 0 into ``<out>/init-model``; with ``finetune.adapter``, that base with the adapter's tensors."""
     from zoo.convert import io
     from zoo.parallel.shards import barrier
 
     src = cfg.training.init_from
     if src is None:
         return None
-    if io.is_model_folder(src):
+    adapter = cfg.finetune.adapter
+    if io.is_model_folder(src) and adapter is None:
         return Path(src)
     folder = Path(cfg.out) / "init-model"
     if grid.rank == 0:
-        get_family(cfg.model.family).import_folder(src, folder)
+        if adapter is not None:  # the base (imported where HF) with the adapter's tensors: added on it, then trained
+            from zoo.convert.peft import write_adapter_folder
+
+            write_adapter_folder(src, adapter, folder)
+        else:
+            get_family(cfg.model.family).import_folder(src, folder)
     barrier()
     return folder
 
