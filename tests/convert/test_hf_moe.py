@@ -374,3 +374,44 @@ def test_finetune_ep2_tp2_exports_a_better_hf_model(hf_dirs, tmp_path, dist_run)
     assert math.isfinite(after) and after < 0.8 * before, (before, after)
     ids = torch.tensor([tok(rows[0]["prompt"]).input_ids])
     assert tuned.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=EOS).shape[1] > ids.shape[1]
+
+
+def test_lora_finetune_ep2_exports_an_adapter_peft_loads(hf_dirs, tmp_path, dist_run):
+    """LoRA on a Mixtral's attention and on every expert (an adapter per expert), trained at ep 2: zoo-to-peft writes
+    the per-expert adapters peft converts on load, and ``PeftModel`` on the original HF model gives the logits of
+    zoo's model with the trained adapters applied (one process)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from zoo.convert.cli import main as convert
+    from zoo.data.tokenizer import train_bpe_tokenizer
+    from zoo.models.gpt import GPTConfig, ParallelOptions, layer_specs
+    from zoo.models.lora import LoraConfig, apply_lora
+    from zoo.models.specs import SpecSequential
+
+    rows = reverse_rows(32)
+    data = tmp_path / "reverse.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    hf = tmp_path / "mixtral"
+    shutil.copytree(hf_dirs["mixtral", "per-expert"], hf)
+    train_bpe_tokenizer([r["prompt"] + r["response"] for r in rows], VOCAB, hf)
+    out = tmp_path / "sft"
+    argv = ["--init", hf, "--data", data, "--ep", "2", "--out", out, "--steps", "3", "--eval-interval", "0",
+            "--no-sample", "--set", "training.seq_length=24", "training.micro_batch_size=8",
+            "training.global_batch_size=16", "training.lr=1e-2", "training.save=false", "finetune.lora.r=4",
+            "finetune.lora.alpha=8", "finetune.lora.targets=[qkv, dense, experts]"]
+    assert dist_run(2, finetune_rank, argv) == [0, 0]
+
+    meta = json.loads((out / "model" / "config.json").read_text())
+    model = SpecSequential(layer_specs(GPTConfig.from_dict(meta["config"]), ParallelOptions()))
+    apply_lora(model, LoraConfig.from_dict(meta["lora"]))
+    io.load_model(out / "model", model)
+    assert convert(["zoo-to-peft", "--src", str(out / "model"), "--out", str(tmp_path / "adapter"),
+                    "--base", str(hf)]) == 0
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf), tmp_path / "adapter").eval()
+    ids = torch.randint(1, VOCAB, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model.eval()(ids)[..., :VOCAB]
+        torch.testing.assert_close(peft_model(ids).logits, ours, rtol=0, atol=1e-4)
+        plain = AutoModelForCausalLM.from_pretrained(hf).eval()(ids).logits
+    assert (ours - plain).abs().max() > 1e-3, "the trained adapters must change the model"
