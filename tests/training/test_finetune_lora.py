@@ -90,6 +90,18 @@ def test_lora_finetune_tp2_exports_adapters_merges_hf_and_resumes(task, tmp_path
         ours = model.eval()(ids)[..., :300]
         torch.testing.assert_close(ours, merged(ids).logits, rtol=0, atol=1e-4)
 
+    # zoo.load_model of the folder applies its adapters (generation computes the adapted model, not the base), and
+    # save_pretrained keeps them
+    import zoo
+
+    loaded = zoo.load_model(model_dir)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids), ours, rtol=0, atol=1e-5)
+    again_dir = loaded.save_pretrained(tmp_path / "saved")
+    assert json.loads((again_dir / "config.json").read_text())["lora"] == meta["lora"]
+    with torch.no_grad():
+        torch.testing.assert_close(zoo.load_model(again_dir)(ids), ours, rtol=0, atol=1e-5)
+
     # the unmerged adapter as peft loads it: zoo-to-peft (through the Llama key table: B de-interleaved per kv group
     # and TP-independent, one A for q/k/v and for gate/up) on the original HF base gives zoo's logits
     from peft import PeftModel

@@ -66,6 +66,18 @@ def continuation(tokenizer, new_tokens: torch.Tensor) -> str:
     return tokenizer.decode(new[: new.index(eos)] if eos is not None and eos in new else new)
 
 
+def apply_folder_adapters(folder: Path, model) -> dict | None:
+    """A LoRA run's folder (``"lora"`` in config.json: the base and its adapters): the adapters added to ``model``
+    (``zoo.models.lora.apply_lora``) before its tensors load, so it computes the adapted model; returns the settings
+    (None: a plain folder)."""
+    adapter = io.read_adapter(folder)
+    if adapter is not None:
+        from zoo.models.lora import LoraConfig, apply_lora
+
+        apply_lora(model, LoraConfig.from_dict(adapter))
+    return adapter
+
+
 class PretrainedGPT(SpecSequential):
     """A zoo GPT folder (GPT-2 or Llama style, dense or mixture-of-experts) as one plain torch module in one process:
     tp=1, every expert local, no process group, no DeepSpeed engine; the same layers and names as in training.
@@ -83,6 +95,7 @@ class PretrainedGPT(SpecSequential):
 
         super().__init__(layer_specs(config, ParallelOptions()))
         self.config, self.tokenizer, self.tokenizer_dir = config, tokenizer, tokenizer_dir
+        self.lora: dict | None = None  # a LoRA run's folder: its adapters' settings (applied, not merged)
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike, *, device=None,
@@ -101,6 +114,7 @@ class PretrainedGPT(SpecSequential):
         try:
             model = cls(GPTConfig.from_dict(config), load_tokenizer(folder) if has_tokenizer else None,
                         folder if has_tokenizer else None)
+            model.lora = apply_folder_adapters(folder, model)
         except ValueError as e:
             raise io.CheckpointError(f"{folder}: {e}") from None
         io.load_model(folder, model)
@@ -110,8 +124,11 @@ class PretrainedGPT(SpecSequential):
         """Write a zoo model folder (``config.json``, ``model.safetensors``, the tokenizer files it was loaded with),
         replacing ``folder`` once complete."""
         tensors = ((name, io.full_param(t, None).cpu()) for name, t in io.model_tensors(self).items())  # unpadded
-        return io.write_model_folder(folder, self.family, self.config.to_dict(), tensors,
-                                     tokenizer_dir=self.tokenizer_dir)
+        out = io.write_model_folder(folder, self.family, self.config.to_dict(), tensors,
+                                    tokenizer_dir=self.tokenizer_dir)
+        if self.lora is not None:  # the adapters went out beside the weights: say so, as a LoRA run's export does
+            io.write_config(out, self.family, self.config.to_dict(), adapter=self.lora)
+        return out
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return super().forward(ids)[..., : self.config.vocab_size]  # [b, s, V]
@@ -214,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
 
         device = get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0")))
         model = SpecSequential(layer_specs(config, ParallelOptions()))
+        apply_folder_adapters(folder, model)
         load_model(folder, model, None if grid is None else grid.tp_group)
         model = model.to(device=device, dtype=getattr(torch, args.dtype)).eval()
         out = Generator(model).generate(ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
