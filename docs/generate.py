@@ -246,7 +246,8 @@ def config_reference() -> str:
              "([command-line reference](cli.md)). `validate()` checks everything before any process group starts.",
              "", "`out` (top level): the run's output folder (`--out`).", ""]
     sections = [("model", config.ModelSection, ("overrides",)), ("parallel", config.ParallelSection, ()),
-                ("training", config.TrainingSection, ()), ("data", config.DataSection, ())]
+                ("training", config.TrainingSection, ()), ("data", config.DataSection, ()),
+                ("finetune", config.FinetuneSection, ())]
     for name, cls, skip in sections:
         lines += [f"## `{name}`", ""]
         if name == "model":
