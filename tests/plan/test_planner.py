@@ -427,3 +427,21 @@ def test_tp_above_the_kv_heads_is_offered():
     assert offered == {1, 2, 4}
     d, h = c.head_dim, c.hidden_size
     assert block_tensors(c, 0, 4)[0][:2] == [c.num_attention_heads * d * h // 4, 2 * d * h]
+
+
+def test_lora_flag_prices_the_adapters_and_writes_finetune_lora(tmp_path, capsys):
+    """--lora R: the same model's LoRA run of rank R holds far less per GPU than its full fine-tune (a frozen base:
+    no gradients or optimizer state for it), and --write-config carries finetune.lora, which validates."""
+    base = ["--model", "llama-7b", "--gpu", "a100-80g", "--gpus", "8", "--global-batch", "64", "--seq-length", "2048",
+            "--only", "tp=1,pp=1,zero=1,recompute=full", "--json"]
+    rows = {}
+    for name, extra in (("full", []), ("lora", ["--lora", "16", "--write-config", str(tmp_path / "plan.yaml")])):
+        assert main([*base, *extra]) == 0
+        rows[name] = json.loads(capsys.readouterr().out)[0]
+    assert rows["lora"]["memory_per_gpu_gb"] < 0.5 * rows["full"]["memory_per_gpu_gb"], rows
+    from zoo.training.config import load
+
+    cfg = load(tmp_path / "plan.yaml")
+    assert cfg.finetune.lora == {"r": 16, "alpha": 32.0, "dropout": 0.0, "targets": ["qkv", "dense", "fc1", "fc2"],
+                                 "dora": False, "rslora": False}
+    assert main([*base, "--lora", "-1"]) == 2 and "--lora must be a positive rank" in capsys.readouterr().err

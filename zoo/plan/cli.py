@@ -53,6 +53,9 @@ def parse_args(argv=None):
     p.add_argument("--ema-decay", type=float, default=0.0, metavar="D",
                    help="price a weight average (training.ema_decay D: 4 bytes per parameter a rank holds, at ZeRO-3 "
                         "per parameter of its partitions); --write-config sets it")
+    p.add_argument("--lora", type=int, default=0, metavar="R",
+                   help="price a LoRA fine-tune of rank R (finetune.lora.r R on qkv, dense, fc1, fc2: the base frozen, "
+                        "gradients and optimizer state for the adapters only); --write-config sets it")
     p.add_argument("--only", metavar="FIELDS", help="evaluate only layouts with these values, e.g. "
                    "tp=8,pp=35,micro_batch=1,recompute=full,sp=true,zero=1 (unnamed fields take their best value)")
     p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
@@ -152,12 +155,25 @@ def run_config(e, job: Job, preset: str | None, gpus_per_node: int = 8, ema_deca
            "training": {"micro_batch_size": lay.micro_batch, "global_batch_size": job.global_batch,
                         "seq_length": job.seq_length, "precision": job.dtype, "fused_cross_entropy": lay.fused_ce,
                         **({"ema_decay": ema_decay} if ema_decay else {})}}
+    if job.lora is not None:
+        cfg["finetune"] = {"lora": job.lora.to_dict()}
     note = (f"# Written by launch/plan.py: the predicted fastest layout of {job.gpus} GPUs "
             f"({e.tokens_per_s:.0f} tokens/s, {e.memory_per_gpu_gb:.1f} GiB per GPU).\n"
             f"# deepspeed {nodes}--num_gpus {min(job.gpus, gpus_per_node)} launch/train.py --config THIS_FILE   (or "
             f"torchrun with {job.gpus} processes in all)\n"
             f"# Data: set data.source / data.paths for your corpus (default: the embedded one).\n")
     return note + yaml.safe_dump(cfg, sort_keys=False)
+
+
+def lora_of(r: int):
+    """``--lora R``: the adapters a LoRA run of rank R trains (zoo.models.lora.LoraConfig, alpha 2R), or None."""
+    if r == 0:
+        return None
+    if r < 0:
+        raise PlanError(f"--lora must be a positive rank (0: full fine-tuning), got {r}")
+    from zoo.models.lora import LoraConfig
+
+    return LoraConfig(r=r, alpha=2.0 * r)
 
 
 def main(argv=None) -> int:
@@ -168,7 +184,7 @@ def main(argv=None) -> int:
         seq = args.seq_length or min(2048, config.max_position_embeddings)
         job = Job(config=config, gpus=args.gpus, seq_length=seq, global_batch=args.global_batch,
                   dtype=args.dtype, optimizer=args.optimizer, attention=args.attention,
-                  fused_cross_entropy=args.fused_cross_entropy, ema=args.ema_decay > 0)
+                  fused_cross_entropy=args.fused_cross_entropy, ema=args.ema_decay > 0, lora=lora_of(args.lora))
         if not 0 <= args.ema_decay < 1:
             raise PlanError(f"--ema-decay must be in [0, 1) (0: no average), got {args.ema_decay}")
         fixed = parse_only(args.only) if args.only else None
