@@ -13,8 +13,6 @@ import torch
 
 from tests.convert.test_hf_gpt import hf_gemma4, randomize_
 from tests.training import test_attention_layouts as attention_layouts
-from tests.training import test_cp_layouts as cp_layouts
-from tests.training import test_gpt_layouts as gpt_layouts
 from zoo.convert.errors import ConvertError
 from zoo.convert.hf.gemma4 import groups, to_zoo
 from zoo.convert.tables import rows_of
@@ -126,19 +124,8 @@ _reference = {}
 def test_gemma4_like_model_trains_alike(dist_run, tmp_path_factory, layout):
     cp = layout.startswith("cp")
     extra = [*(attention_layouts.CP if cp else attention_layouts.DENSE), *GEMMA4, "model.query_pre_attn_scalar=1"]
-    if cp:
-        if "cp" not in _reference:
-            _reference["cp"] = dist_run(1, cp_layouts.train_case, "llama", extra,
-                                        str(tmp_path_factory.mktemp("ref")))[0]
-        expected = _reference["cp"]
-        world, overrides = cp_layouts.LAYOUTS[layout]
-        runs = dist_run(world, cp_layouts.train_case, "llama", overrides + extra, str(tmp_path_factory.mktemp(layout)))
-    else:
-        expected = gpt_layouts.layout_run(dist_run, "llama", "single", extra)[0][0]
-        runs = gpt_layouts.layout_run(dist_run, "llama", layout, extra)[0]
-    for rank_losses in runs:
-        torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(expected), rtol=1e-5, atol=0)
-    assert expected[-1] < expected[0], f"the reference run must learn: {expected}"
+    attention_layouts.assert_trains_alike(*attention_layouts.layout_and_reference(dist_run, tmp_path_factory, layout,
+                                                                                  extra, _reference))
 
 
 def test_bad_fields_are_one_line():
@@ -155,7 +142,4 @@ def test_gemma4_full_layers_with_one_kv_head_train_alike_at_tp2(dist_run):
     """The full layers' single kv head (k = v) replicated over both TP ranks (zoo.parallel.layers.GroupedQKVLinear
     with its k rows alone), with sequence parallelism: the one-process losses."""
     extra = [*attention_layouts.DENSE, *GEMMA4, "model.query_pre_attn_scalar=1", "model.num_global_key_value_heads=1"]
-    expected = gpt_layouts.layout_run(dist_run, "llama", "single", extra)[0][0]
-    for rank_losses in gpt_layouts.layout_run(dist_run, "llama", "tp2-sp", extra)[0]:
-        torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(expected), rtol=1e-5, atol=0)
-    assert expected[-1] < expected[0], f"the reference run must learn: {expected}"
+    attention_layouts.assert_trains_alike(*attention_layouts.layout_and_reference(dist_run, None, "tp2-sp", extra, {}))

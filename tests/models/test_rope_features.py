@@ -14,7 +14,7 @@ import torch
 
 from tests.convert.test_hf_gpt import hf_gemma3, hf_phi3, hf_smollm3, randomize_
 from tests.models.test_gpt_vs_transformers import load_from_hf
-from tests.training import test_cp_layouts as cp_layouts
+from tests.training import test_attention_layouts as attention_layouts
 from tests.training import test_gpt_layouts as gpt_layouts
 from zoo.convert.errors import ConvertError
 from zoo.convert.gpt import gpt_config_from_hf
@@ -259,18 +259,9 @@ _reference = {}
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_nope_partial_rotary_model_trains_alike(dist_run, tmp_path_factory, layout):
-    if layout.startswith("cp"):  # 256 tokens over 2 ranks: the global positions and length pick the tables' rows
-        extra = [*SMOL, LONGROPE_CP, "training.steps=3"]
-        if "cp" not in _reference:
-            _reference["cp"] = dist_run(1, cp_layouts.train_case, "llama", extra,
-                                        str(tmp_path_factory.mktemp("ref")))[0]
-        expected = _reference["cp"]
-        world, overrides = cp_layouts.LAYOUTS[layout]
-        runs = dist_run(world, cp_layouts.train_case, "llama", overrides + extra, str(tmp_path_factory.mktemp(layout)))
-    else:
-        expected = gpt_layouts.layout_run(dist_run, "llama", "single", SMOL)[0][0]
+    cp = layout.startswith("cp")  # 256 tokens over 2 ranks: the global positions and length pick the tables' rows
+    extra = [*SMOL, LONGROPE_CP, "training.steps=3"] if cp else SMOL
+    runs, expected = attention_layouts.layout_and_reference(dist_run, tmp_path_factory, layout, extra, _reference)
+    if not cp:
         assert expected != gpt_layouts.reference(dist_run, "llama"), "NoPE and partial rotary change the run"
-        runs = gpt_layouts.layout_run(dist_run, "llama", layout, SMOL)[0]
-    for rank_losses in runs:
-        torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(expected), rtol=1e-5, atol=0)
-    assert expected[-1] < expected[0], f"the reference run must learn: {expected}"
+    attention_layouts.assert_trains_alike(runs, expected)

@@ -21,6 +21,27 @@ CP = [*VARIANT, "model.sliding_window=48", "training.steps=3"]
 _cp_reference = {}
 
 
+def layout_and_reference(dist_run, tmp_path_factory, layout: str, extra: list, cache: dict, key="cp") -> tuple:
+    """``(every rank's losses at layout, the one-process losses)`` of the tiny Llama with ``extra``: a cp layout
+    through test_cp_layouts' runs (its one-process reference made once, kept in ``cache[key]``), any other through
+    test_gpt_layouts' cached runs."""
+    if not layout.startswith("cp"):
+        return (gpt_layouts.layout_run(dist_run, "llama", layout, extra)[0],
+                gpt_layouts.layout_run(dist_run, "llama", "single", extra)[0][0])
+    if key not in cache:
+        cache[key] = dist_run(1, cp_layouts.train_case, "llama", extra, str(tmp_path_factory.mktemp("ref")))[0]
+    world, overrides = cp_layouts.LAYOUTS[layout]
+    return (dist_run(world, cp_layouts.train_case, "llama", overrides + extra, str(tmp_path_factory.mktemp(layout))),
+            cache[key])
+
+
+def assert_trains_alike(runs, expected) -> None:
+    """Every rank's losses are the one process's (1e-5 relative), and the reference run learns."""
+    for rank_losses in runs:
+        torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(expected), rtol=1e-5, atol=0)
+    assert expected[-1] < expected[0], f"the reference run must learn: {expected}"
+
+
 @pytest.mark.parametrize("layout", ["tp2-sp", "pp2", "dp2-zero2"])
 def test_windowed_capped_model_trains_alike(dist_run, layout):
     expected = gpt_layouts.layout_run(dist_run, "llama", "single", DENSE)[0][0]

@@ -43,6 +43,7 @@ import torch
 from zoo.convert.errors import ConvertError
 from zoo.convert.tables import Row
 from zoo.models.gpt import FAMILY
+from zoo.models.lora import DEFAULT_TARGETS  # the run config's default targets, one place
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -51,7 +52,6 @@ PEFT_PREFIX = "base_model.model."
 TARGETS = {"qkv": ".attention.qkv.weight", "dense": ".attention.dense.weight", "fc1": ".mlp.fc1.weight",
            "fc2": ".mlp.fc2.weight", "experts": (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"),
            "embedding": ".word_embeddings.weight", "lm_head": ".linear.weight"}
-DEFAULT_TARGETS = ("qkv", "dense", "fc1", "fc2")
 EXPERT_KEY = re.compile(r"\.experts\.(\d+)\.")
 
 
@@ -584,30 +584,41 @@ def merged_tensors(src: Path, settings: LoraSettings, adapter: dict[str, torch.T
         raise ConvertError(f"adapter tensor(s) {missing[:3]} adapt no weight of the base model")
 
 
+def _base_with_adapter(base, adapter, tmp_base: Path, what: str, allow_pickle: bool):
+    """``(zoo base folder, its GPTConfig, adapter settings, adapter tensors)``: ``base`` itself when it is a zoo
+    folder, else its import into ``tmp_base`` (the caller removes it); the adapter read through the base's HF class
+    where the base is an HF folder (``what``: the refusal's words for a base of another family)."""
+    from zoo.convert import io
+    from zoo.convert.gpt import hf_to_zoo, read_zoo_gpt
+    from zoo.convert.hub import resolve_hf_folder
+    from zoo.convert.registry import architecture_of_folder
+
+    arch = None
+    if io.is_model_folder(base):
+        zoo_base = Path(base)
+    else:
+        folder = resolve_hf_folder(base, allow_pickle=allow_pickle)
+        arch = architecture_of_folder(folder)
+        zoo_base = hf_to_zoo(folder, tmp_base, allow_pickle=allow_pickle)
+    cfg = read_zoo_gpt(zoo_base, what)
+    return (zoo_base, cfg, *read_adapter(adapter, cfg, arch))
+
+
 def merge_adapter(base, adapter, out, *, dtype: torch.dtype | None = None, allow_pickle: bool = False) -> Path:
     """A full HF folder ``out`` (weights, config, tokenizer, generation config) of the base model (an HF folder or
     Hub id, or a zoo folder) with the adapter (a PEFT folder, or a zoo folder holding adapter tensors) merged in:
     ``W + s B A`` (DoRA: scaled by ``m / ||W + s B A||``), computed in zoo's layout and exported through the key
     table. An HF base is imported to a temporary zoo folder beside ``out`` first (and removed)."""
     from zoo.convert import io
-    from zoo.convert.gpt import hf_to_zoo, read_zoo_gpt, zoo_to_hf
-    from zoo.convert.hub import resolve_hf_folder
-    from zoo.convert.registry import architecture_of_folder
+    from zoo.convert.gpt import zoo_to_hf
     from zoo.convert.writer import GENERATION_CONFIG
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp_base, tmp_merged = out.parent / f".{out.name}.base-zoo", out.parent / f".{out.name}.merged-zoo"
     try:
-        arch = None
-        if io.is_model_folder(base):
-            zoo_base = Path(base)
-        else:
-            folder = resolve_hf_folder(base, allow_pickle=allow_pickle)
-            arch = architecture_of_folder(folder)
-            zoo_base = hf_to_zoo(folder, tmp_base, allow_pickle=allow_pickle)
-        cfg = read_zoo_gpt(zoo_base, "merge-adapter merges into gpt models")
-        settings, tensors = read_adapter(adapter, cfg, arch)
+        zoo_base, cfg, settings, tensors = _base_with_adapter(base, adapter, tmp_base,
+                                                              "merge-adapter merges into gpt models", allow_pickle)
         gen = zoo_base / GENERATION_CONFIG
         io.write_model_folder(tmp_merged, FAMILY, cfg.to_dict(), merged_tensors(zoo_base, settings, tensors),
                               tokenizer_dir=zoo_base,
@@ -632,24 +643,14 @@ def write_adapter_folder(base, adapter, out, *, allow_pickle: bool = False) -> P
     """A zoo model folder ``out``: the base (zoo folder, or HF folder / Hub id imported) with the adapter's tensors
     (a PEFT folder's, read back into zoo's names) beside its weights and ``"lora"`` in config.json."""
     from zoo.convert import io
-    from zoo.convert.gpt import hf_to_zoo, read_zoo_gpt
-    from zoo.convert.hub import resolve_hf_folder
-    from zoo.convert.registry import architecture_of_folder
     from zoo.convert.writer import GENERATION_CONFIG
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp_base = out.parent / f".{out.name}.base-zoo"
     try:
-        arch = None
-        if io.is_model_folder(base):
-            zoo_base = Path(base)
-        else:
-            folder = resolve_hf_folder(base, allow_pickle=allow_pickle)
-            arch = architecture_of_folder(folder)
-            zoo_base = hf_to_zoo(folder, tmp_base, allow_pickle=allow_pickle)
-        cfg = read_zoo_gpt(zoo_base, "adapters are read for gpt models")
-        settings, tensors = read_adapter(adapter, cfg, arch)
+        zoo_base, cfg, settings, tensors = _base_with_adapter(base, adapter, tmp_base,
+                                                              "adapters are read for gpt models", allow_pickle)
         base_tensors = ((k, t) for k, t in io.iter_tensors(zoo_base) if ".lora_" not in k and "_lora_" not in k)
         gen = zoo_base / GENERATION_CONFIG
         staging = io.write_model_folder(
